@@ -1,0 +1,150 @@
+"""The DeepSpeed config of an :class:`~lightning_hpz.HpzStrategy`: user config merged over defaults, validated.
+
+Pure functions: no process group, no model. Every error says what is wrong and how to fix it, and is raised while
+the Trainer is being built, before any process is launched.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+HpzSize = Union[int, str, None]
+
+
+class HpzConfigurationError(ValueError):
+    """A strategy setting that cannot work, with the fix in the message."""
+
+
+@dataclass(frozen=True)
+class ZeroPlusPlusSettings:
+    """The ZeRO++ knobs as resolved from kwargs and ``config=`` (``None`` where neither gave a value)."""
+
+    stage: int
+    hpz_partition_size: HpzSize
+    quantized_weights: bool
+    quantized_gradients: bool
+
+
+# strategy kwarg -> key inside the DeepSpeed ``zero_optimization`` section
+ZERO_KEYS = {
+    "stage": "stage",
+    "hpz_partition_size": "zero_hpz_partition_size",
+    "quantized_weights": "zero_quantized_weights",
+    "quantized_gradients": "zero_quantized_gradients",
+}
+DEFAULTS = {"stage": 3, "hpz_partition_size": "auto", "quantized_weights": False, "quantized_gradients": False}
+
+
+def load_user_config(config: Union[str, os.PathLike, dict, None]) -> dict[str, Any]:
+    """Read ``config=`` (a dict or a path to a JSON file) into a fresh dict."""
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    path = Path(config)
+    if not path.is_file():
+        raise HpzConfigurationError(
+            f"config={str(config)!r}: no such file. Pass the path of a DeepSpeed JSON config, or a dict."
+        )
+    try:
+        loaded = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise HpzConfigurationError(
+            f"config={str(config)!r} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}). "
+            "Fix the file, or pass the settings as a dict."
+        ) from err
+    if not isinstance(loaded, dict):
+        raise HpzConfigurationError(f"config={str(config)!r} holds a {type(loaded).__name__}; it must be a JSON object.")
+    return loaded
+
+
+def merge_configs(defaults: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``override`` over ``defaults``: nested sections merge key by key, the override wins leaf values."""
+    merged = copy.deepcopy(defaults)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_configs(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def resolve_zero_settings(kwargs: dict[str, Any], user_config: dict[str, Any]) -> ZeroPlusPlusSettings:
+    """Combine explicit kwargs (``None`` = not given) with ``config=``; refuse where both give different values."""
+    zero_section = user_config.get("zero_optimization") or {}
+    resolved = {}
+    for name, key in ZERO_KEYS.items():
+        given, configured = kwargs.get(name), zero_section.get(key)
+        if given is not None and configured is not None and given != configured:
+            raise HpzConfigurationError(
+                f"{name}={given!r} conflicts with zero_optimization.{key}={configured!r} in config=. "
+                "Give the value in one place only."
+            )
+        resolved[name] = next(v for v in (given, configured, DEFAULTS[name]) if v is not None)
+    return ZeroPlusPlusSettings(**resolved)
+
+
+def validate_settings(settings: ZeroPlusPlusSettings) -> None:
+    """Checks that need no knowledge of the cluster."""
+    if settings.stage not in (1, 2, 3):
+        raise HpzConfigurationError(f"stage={settings.stage!r} is not a ZeRO stage; use 1, 2 or 3.")
+    size = settings.hpz_partition_size
+    if isinstance(size, str) and size != "auto":
+        raise HpzConfigurationError(f"hpz_partition_size={size!r}: give a positive int, or 'auto' (devices per node).")
+    if isinstance(size, bool) or (isinstance(size, (int, float)) and (size != int(size) or size < 1)):
+        raise HpzConfigurationError(
+            f"hpz_partition_size={size!r} must be a positive whole number (1 turns hpZ off), or 'auto'."
+        )
+    if isinstance(size, int) and size > 1 and settings.stage != 3:
+        raise HpzConfigurationError(
+            f"hpz_partition_size={size} needs ZeRO stage 3 (hpZ keeps a secondary copy of partitioned parameters), "
+            f"but stage={settings.stage}. Use stage=3, or hpz_partition_size=1."
+        )
+    for name in ("quantized_weights", "quantized_gradients"):
+        if getattr(settings, name) and settings.stage != 3:
+            raise HpzConfigurationError(f"{name}=True (ZeRO++) needs stage=3, but stage={settings.stage}.")
+
+
+def resolve_partition_size(size: HpzSize, stage: int, devices_per_node: int, num_nodes: int) -> tuple[int, str]:
+    """The hpZ partition size to configure, and a line for the log saying how it was chosen."""
+    if size == "auto":
+        if stage != 3:
+            return 1, f"hpZ off: it needs ZeRO stage 3 (stage={stage})."
+        if num_nodes == 1:
+            return 1, "hpZ off: a single node has no cross-node traffic to save (hpz_partition_size='auto')."
+        return devices_per_node, f"hpZ partition size {devices_per_node} (= devices per node, 'auto')."
+    return int(size), f"hpZ partition size {int(size)}."
+
+
+def validate_layout(partition_size: int, devices_per_node: int, num_nodes: int) -> None:
+    """hpZ groups are consecutive global ranks; each must lie inside one node (Lightning numbers ranks node-major)."""
+    world_size = devices_per_node * num_nodes
+    if partition_size <= 1:
+        return
+    if world_size % partition_size:
+        raise HpzConfigurationError(
+            f"hpz_partition_size={partition_size} does not divide the world size {world_size} "
+            f"({num_nodes} node(s) x {devices_per_node} device(s)). Use a divisor of {devices_per_node}, "
+            "usually the number of devices per node."
+        )
+    if devices_per_node % partition_size:
+        raise HpzConfigurationError(
+            f"hpz_partition_size={partition_size} is not a divisor of the {devices_per_node} devices per node, so a "
+            "secondary group would span two nodes and its gathers would cross the slow link. "
+            f"Use a divisor of {devices_per_node}."
+        )
+
+
+def zero_section(settings: ZeroPlusPlusSettings, partition_size: int) -> dict[str, Any]:
+    """The ``zero_optimization`` keys this package owns."""
+    section: dict[str, Any] = {"stage": settings.stage}
+    if settings.stage == 3:
+        section[ZERO_KEYS["hpz_partition_size"]] = partition_size
+        section[ZERO_KEYS["quantized_weights"]] = settings.quantized_weights
+        section[ZERO_KEYS["quantized_gradients"]] = settings.quantized_gradients
+    return section

@@ -1,0 +1,27 @@
+"""Stabilized hierarchical partitioning: the only package that touches DeepSpeed internals."""
+
+from lightning_hpz.partitioning.deepspeed_patch import IncompatibleDeepSpeedError, install, uninstall
+from lightning_hpz.partitioning.emulation import EMULATION_ENV_VAR, emulation_requested
+from lightning_hpz.partitioning.ordering import SYNC_MODES, CopyOrdering
+from lightning_hpz.partitioning.secondary_partitions import (
+    SecondaryCheckReport,
+    SecondaryPartitionMismatchError,
+    check_secondary_partitions,
+    count_secondary_partitions,
+    refresh_secondary_partitions,
+)
+
+__all__ = [
+    "EMULATION_ENV_VAR",
+    "SYNC_MODES",
+    "CopyOrdering",
+    "IncompatibleDeepSpeedError",
+    "SecondaryCheckReport",
+    "SecondaryPartitionMismatchError",
+    "check_secondary_partitions",
+    "count_secondary_partitions",
+    "emulation_requested",
+    "install",
+    "refresh_secondary_partitions",
+    "uninstall",
+]
