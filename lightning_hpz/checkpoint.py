@@ -16,7 +16,9 @@ def validate_checkpoint_dir(path: str | Path) -> Path:
     """The checkpoint directory, or an error that says what is wrong with ``path``."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}. Pass the `.ckpt` directory ModelCheckpoint wrote.")
+        raise CheckpointNotFoundError(
+            f"No checkpoint at {str(path)!r}. Pass the `.ckpt` directory ModelCheckpoint wrote."
+        )
     if not path.is_dir() or not (path / "latest").is_file():
         raise CheckpointNotFoundError(
             f"{str(path)!r} is not a sharded DeepSpeed checkpoint (a directory holding a 'latest' file). "

@@ -19,6 +19,21 @@ TOOLS: dict[str, tuple[str, str, str]] = {
         "consolidate_main",
         "merge a sharded DeepSpeed checkpoint into one fp32 state-dict file",
     ),
+    "bench": (
+        "lightning_hpz.bench.command",
+        "bench_main",
+        "train under ZeRO-1/2/3, hpZ, FSDP2 and DDP on a two-node rate-limited testbed (root)",
+    ),
+    "presets": (
+        "lightning_hpz.models.presets",
+        "print_presets",
+        "list the model presets: family and exact parameter count (built on the meta device)",
+    ),
+    "plan": (
+        "lightning_hpz.planning.plan_command",
+        "plan_main",
+        "predict bytes, communication time and memory per rank for each ZeRO stage, hpZ and ZeRO++",
+    ),
 }
 TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
 
@@ -31,8 +46,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
-        if not argv:
-            return
+        return
     run_lightning_cli(argv)
 
 

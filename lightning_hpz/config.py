@@ -59,7 +59,9 @@ def load_user_config(config: Union[str, os.PathLike, dict, None]) -> dict[str, A
             "Fix the file, or pass the settings as a dict."
         ) from err
     if not isinstance(loaded, dict):
-        raise HpzConfigurationError(f"config={str(config)!r} holds a {type(loaded).__name__}; it must be a JSON object.")
+        raise HpzConfigurationError(
+            f"config={str(config)!r} holds a {type(loaded).__name__}; it must be a JSON object."
+        )
     return loaded
 
 

@@ -8,8 +8,8 @@ had already trained on makes the continuation exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 class ResumableLoader:

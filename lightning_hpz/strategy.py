@@ -9,10 +9,10 @@ import warnings
 from typing import Any, Optional, Union
 
 import torch
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
-from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
@@ -83,12 +83,15 @@ class HpzStrategy(DeepSpeedStrategy):
         super().__init__(stage=self.zero_settings.stage, config=None, **kwargs)
         self.config = cfg.merge_configs(self.config, user_config)
         self.hpz_sync = hpz_sync
-        self.emulate_async_copy = partitioning.emulation_requested() if emulate_async_copy is None else emulate_async_copy
+        self.emulate_async_copy = (
+            partitioning.emulation_requested() if emulate_async_copy is None else emulate_async_copy
+        )
         self.verify_after_load = verify_after_load
         self.exact_resume = exact_resume
         self.hpz_partition_size: Optional[int] = None  # resolved once the cluster layout is known
         self.copy_ordering: Optional[partitioning.CopyOrdering] = None
         self._verify_at_next_step = False
+        self.secondary_checks_run = 0
 
     # ----------------------------------------------------------------------------------------------- layout
     @property
@@ -160,6 +163,27 @@ class HpzStrategy(DeepSpeedStrategy):
         self._init_deepspeed_distributed()
 
     @override
+    def _init_deepspeed_distributed(self) -> None:
+        super()._init_deepspeed_distributed()
+        self._check_secondary_groups_within_nodes()
+
+    def _check_secondary_groups_within_nodes(self) -> None:
+        """DeepSpeed groups consecutive global ranks; make sure the launcher numbered each node's ranks together."""
+        size = self.hpz_partition_size or 1
+        if size <= 1:
+            return
+        node_of_rank: list[Optional[int]] = [None] * self.world_size
+        torch.distributed.all_gather_object(node_of_rank, self.node_rank)
+        for start in range(0, self.world_size, size):
+            nodes = set(node_of_rank[start : start + size])
+            if len(nodes) > 1:
+                raise cfg.HpzConfigurationError(
+                    f"hpZ secondary group of ranks {start}..{start + size - 1} spans nodes {sorted(nodes)}: the "
+                    "launcher did not number each node's ranks consecutively, so backward gathers would cross nodes. "
+                    "Launch with ranks grouped by node (torchrun and SLURM do), or set hpz_partition_size=1."
+                )
+
+    @override
     def _setup_model_and_optimizer(
         self, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None
     ) -> tuple[Any, Any]:
@@ -210,6 +234,7 @@ class HpzStrategy(DeepSpeedStrategy):
     def check_secondary_partitions(self, raise_on_mismatch: bool = True) -> partitioning.SecondaryCheckReport:
         """Compare every secondary partition with its primaries on all ranks (a collective)."""
         assert self.lightning_module is not None
+        self.secondary_checks_run += 1
         return partitioning.check_secondary_partitions(self.lightning_module, raise_on_mismatch=raise_on_mismatch)
 
     def _after_weights_changed(self) -> None:
@@ -241,8 +266,11 @@ class HpzStrategy(DeepSpeedStrategy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         assert self.lightning_module is not None
-        # A user's `load_state_dict` into the sharded model (inside GatheredParameters) must not leave stale copies.
-        self.lightning_module.register_load_state_dict_post_hook(lambda module, keys: self._after_weights_changed())
+        # A user's `load_state_dict` into the sharded model (inside GatheredParameters, often on one rank only) must
+        # not leave stale copies: drop those of the gathered parameters, their release rebuilds them on every rank.
+        self.lightning_module.register_load_state_dict_post_hook(
+            lambda module, keys: partitioning.refresh_secondary_partitions(module, gathered_only=True)
+        )
 
     # ----------------------------------------------------------------------------------------------- registry
     @classmethod
@@ -265,9 +293,13 @@ STRATEGY_PRESETS: list[tuple[str, str, dict[str, Any]]] = [
         "full ZeRO++: ZeRO-3 + hpZ + qwZ (int8 weight gather) + qgZ (quantized gradients); CUDA only",
         {"quantized_weights": True, "quantized_gradients": True},
     ),
-    ("zero1", "ZeRO stage 1 (optimizer states sharded); CPU and GPU", {"stage": 1}),
-    ("zero2", "ZeRO stage 2 (optimizer states + gradients sharded); CPU and GPU", {"stage": 2}),
-    ("zero2_offload", "ZeRO stage 2 with optimizer states offloaded to CPU", {"stage": 2, "offload_optimizer": True}),
+    ("zero1", "ZeRO stage 1 (optimizer states sharded); CPU and GPU", {"stage": 1, "hpz_partition_size": 1}),
+    ("zero2", "ZeRO stage 2 (optimizer states + gradients sharded); CPU and GPU", {"stage": 2, "hpz_partition_size": 1}),
+    (
+        "zero2_offload",
+        "ZeRO stage 2 with optimizer states offloaded to CPU",
+        {"stage": 2, "hpz_partition_size": 1, "offload_optimizer": True},
+    ),
     ("zero3", "plain ZeRO stage 3 (everything sharded, hpZ off); CPU and GPU", {"stage": 3, "hpz_partition_size": 1}),
     (
         "zero3_offload",

@@ -84,7 +84,7 @@ class EmulatedAsyncDevice:
     def current_stream(self) -> EmulatedStream:
         return self.stream
 
-    def Event(self) -> EmulatedEvent:  # noqa: N802 - mirrors DeepSpeed's accelerator API
+    def Event(self) -> EmulatedEvent:
         return EmulatedEvent()
 
     def defer_copy(self, destination: torch.Tensor) -> None:

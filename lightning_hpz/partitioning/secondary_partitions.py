@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hpz.partitioning.deepspeed_patch import deepspeed_accelerator
+from lightning_hpz.partitioning.deepspeed_patch import active_ordering, deepspeed_accelerator
 
 
 class SecondaryPartitionMismatchError(RuntimeError):
@@ -53,11 +53,14 @@ def count_secondary_partitions(module: nn.Module) -> int:
     return sum(has_secondary_partition(p) for _, p in zero3_parameters(module))
 
 
-def refresh_secondary_partitions(module: nn.Module) -> int:
-    """Drop every secondary shard of ``module`` so that none can serve weights older than the primary shards.
+def refresh_secondary_partitions(module: nn.Module, gathered_only: bool = False) -> int:
+    """Drop the secondary shards of ``module`` so that none can serve weights older than the primary shards.
 
-    Call it after writing primary shards yourself (``param.ds_tensor``). The next forward gathers from the primary
-    shards once and rebuilds the secondaries from that. Returns how many shards were dropped.
+    Call it on every rank at the same point (as you wrote the primary shards, e.g. ``param.ds_tensor``): a rank
+    without secondaries gathers from the primary group, so ranks must agree. The next forward gathers from the primary
+    shards once and rebuilds the secondaries from that. With ``gathered_only``, only parameters gathered right now
+    (inside ``GatheredParameters``) are touched: their release rebuilds the copies on every rank, so this is safe to
+    call on one rank. Returns how many shards were dropped.
     """
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -70,6 +73,8 @@ def refresh_secondary_partitions(module: nn.Module) -> int:
                 f"Parameter {name!r} is being gathered right now; refresh secondary partitions between steps, "
                 "not inside a forward or backward pass."
             )
+        if gathered_only and param.ds_status != ZeroParamStatus.AVAILABLE:
+            continue
         param.ds_secondary_tensor = None
         dropped += 1
     return dropped
@@ -86,6 +91,10 @@ def check_secondary_partitions(module: nn.Module, raise_on_mismatch: bool = True
     device = torch.device(deepspeed_accelerator().current_device_name())
     report = SecondaryCheckReport()
     checkable = _parameters_every_rank_can_check(module, ZeroParamStatus.NOT_AVAILABLE, report)
+    ordering = active_ordering()
+    if ordering is not None:
+        # read the shards as a gather would: after the copies that fill them (in "none" mode, possibly before)
+        ordering.before_secondary_gather(p.ds_secondary_tensor for _, p in checkable)
     for name, param in checkable:
         from_secondaries = _gather_flat(param.ds_secondary_tensor, param.ds_zero_param_process_group, device)
         from_primaries = _gather_flat(param.ds_tensor, param.ds_process_group, device)
@@ -116,7 +125,7 @@ def _parameters_every_rank_can_check(
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     report.skipped = sum(has_secondary_partition(p) for _, p in candidates) - int(flags.sum())
-    return [candidate for candidate, flag in zip(candidates, flags.tolist()) if flag]
+    return [candidate for candidate, flag in zip(candidates, flags.tolist(), strict=True) if flag]
 
 
 def _gather_flat(shard: torch.Tensor, group: object, device: torch.device) -> torch.Tensor:
@@ -141,7 +150,9 @@ def _agree_over_ranks(report: SecondaryCheckReport, order: list[str]) -> None:
 
 
 def _describe_mismatch(report: SecondaryCheckReport, shown: int = 5) -> str:
-    listed = ", ".join(f"{name} (max |diff| {report.max_abs_difference[name]:.3g})" for name in report.mismatched[:shown])
+    listed = ", ".join(
+        f"{name} (max |diff| {report.max_abs_difference[name]:.3g})" for name in report.mismatched[:shown]
+    )
     more = f" and {len(report.mismatched) - shown} more" if len(report.mismatched) > shown else ""
     return (
         f"hpZ secondary partitions disagree with the primary partitions for {len(report.mismatched)} of "

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_hpz
+from lightning_hpz.callbacks.secondary_partition_check import SecondaryPartitionCheck
 from lightning_hpz.partitioning import count_secondary_partitions
 
 
@@ -60,6 +61,19 @@ class ToyRegressor(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
 
+    def train_dataloader(self):
+        return DataLoader(RegressionData(), batch_size=8, shuffle=True)
+
+    def on_train_end(self) -> None:
+        # what the CLI tests read back: this rank's losses and the strategy's resolved settings
+        out = os.environ.get("TOY_TRAINING_OUT")
+        if out:
+            strategy = self.trainer.strategy
+            record = {"losses": self.losses, "strategy": type(strategy).__name__}
+            record["zero_config"] = getattr(strategy, "config", {}).get("zero_optimization")
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
 
 def main(options: dict) -> None:
     out = Path(options["out"])
@@ -67,6 +81,8 @@ def main(options: dict) -> None:
     L.seed_everything(options.get("seed", 0), verbose=False)
     strategy = lightning_hpz.HpzStrategy(**options.get("strategy", {}))
     callbacks = []
+    if options.get("check_every"):
+        callbacks.append(SecondaryPartitionCheck(every_n_steps=options["check_every"]))
     if options.get("checkpoint_every"):
         callbacks.append(
             ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=options["checkpoint_every"], save_top_k=-1)
@@ -91,6 +107,14 @@ def main(options: dict) -> None:
         "secondaries_seen": model.secondaries_seen,
         "hpz_partition_size": strategy.hpz_partition_size,
         "zero_config": strategy.config["zero_optimization"],
+        "secondary_checks_run": strategy.secondary_checks_run,
+        "callback_checks": [(c.checks_run, c.last_checked) for c in callbacks if hasattr(c, "checks_run")],
+        "copy_ordering": {
+            "mode": strategy.copy_ordering.mode,
+            "events_recorded": strategy.copy_ordering.events_recorded,
+            "events_waited": strategy.copy_ordering.events_waited,
+            "host_syncs": strategy.copy_ordering.host_syncs,
+        },
         "pid": os.getpid(),
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))

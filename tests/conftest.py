@@ -1,0 +1,70 @@
+"""Shared helpers: launch a training script as a user would (one process per rank) and read what each rank wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+# Parameters are released after forward and re-gathered in backward even for a tiny model, as in a 7B model:
+# otherwise DeepSpeed keeps them alive and hpZ is never exercised after the first step.
+REGATHER_EVERY_MODULE = {
+    "zero_optimization": {
+        "stage3_max_live_parameters": 0,
+        "stage3_max_reuse_distance": 0,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": 0,
+    }
+}
+
+
+class ScriptRun:
+    """The outcome of one launched script: return code, output, and each rank's JSON record."""
+
+    def __init__(self, completed: subprocess.CompletedProcess, out: Path) -> None:
+        self.returncode = completed.returncode
+        self.output = completed.stdout
+        self.ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))}
+
+    def losses(self, rank: int = 0) -> list[float]:
+        record = self.ranks[rank]["losses"]
+        return [record[k] for k in sorted(record, key=int)]
+
+
+def run_script(
+    script: str,
+    options: dict,
+    out: Path,
+    timeout: float = 240,
+    env: dict | None = None,
+    launcher: list[str] | None = None,
+) -> ScriptRun:
+    options = {**options, "out": str(out)}
+    command = [*(launcher or [sys.executable]), str(SCRIPTS / script), json.dumps(options)]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    completed = subprocess.run(
+        command,
+        capture_output=False,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=out.parent,
+    )
+    return ScriptRun(completed, out)
+
+
+def assert_succeeded(run: ScriptRun, ranks: int = 4) -> None:
+    assert run.returncode == 0, run.output[-4000:]
+    assert sorted(run.ranks) == list(range(ranks)), run.output[-4000:]
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory, request) -> Path:
+    return tmp_path_factory.mktemp(request.module.__name__.split(".")[-1])
