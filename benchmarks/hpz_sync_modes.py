@@ -27,10 +27,14 @@ CONFIGURATIONS = [("zero3", 1, "event"), ("hpz-none", None, "none"), ("hpz-strea
 
 def worker(args: argparse.Namespace) -> None:
     """One rank of one configuration (started by torchrun)."""
+    import warnings
+
     import deepspeed
     import torch
 
-    from lightning_hpz.partitioning import install
+    from lightning_hpz.partitioning import install  # first: it tells DeepSpeed which accelerator to use
+
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     on_gpu = args.device == "cuda"
@@ -83,8 +87,8 @@ def run_configuration(args: argparse.Namespace, name: str, hpz: int, sync: str) 
 
 def summarize(results: dict[str, dict], warmup: int) -> str:
     reference = results["zero3"]["losses"]
-    lines = ["| configuration | median step (s) | spread p10-p90 (s) | host syncs | events | losses = ZeRO-3 | final loss |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    header = ["configuration", "median step (s)", "p10-p90 (s)", "host syncs", "events", "= ZeRO-3", "final loss"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for name, record in results.items():
         times = sorted(record["times"][warmup:])
         spread = f"{times[len(times) // 10]:.4f}-{times[(9 * len(times)) // 10]:.4f}"

@@ -40,7 +40,7 @@ ZERO_KEYS = {
 DEFAULTS = {"stage": 3, "hpz_partition_size": "auto", "quantized_weights": False, "quantized_gradients": False}
 
 
-def load_user_config(config: Union[str, os.PathLike, dict, None]) -> dict[str, Any]:
+def load_user_config(config: Union[dict[str, Any], str, os.PathLike, None]) -> dict[str, Any]:
     """Read ``config=`` (a dict or a path to a JSON file) into a fresh dict."""
     if config is None:
         return {}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import warnings
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -66,7 +66,7 @@ class HpzStrategy(DeepSpeedStrategy):
         emulate_async_copy: Optional[bool] = None,
         verify_after_load: bool = True,
         exact_resume: bool = True,
-        config: Union[str, os.PathLike, dict, None] = None,
+        config: Union[dict[str, Any], str, Path, None] = None,
         **kwargs: Any,
     ) -> None:
         if hpz_sync not in SYNC_MODES:
@@ -268,9 +268,7 @@ class HpzStrategy(DeepSpeedStrategy):
         assert self.lightning_module is not None
         # A user's `load_state_dict` into the sharded model (inside GatheredParameters, often on one rank only) must
         # not leave stale copies: drop those of the gathered parameters, their release rebuilds them on every rank.
-        self.lightning_module.register_load_state_dict_post_hook(
-            lambda module, keys: partitioning.refresh_secondary_partitions(module, gathered_only=True)
-        )
+        self.lightning_module.register_load_state_dict_post_hook(_drop_secondaries_of_gathered_parameters)
 
     # ----------------------------------------------------------------------------------------------- registry
     @classmethod
@@ -294,7 +292,11 @@ STRATEGY_PRESETS: list[tuple[str, str, dict[str, Any]]] = [
         {"quantized_weights": True, "quantized_gradients": True},
     ),
     ("zero1", "ZeRO stage 1 (optimizer states sharded); CPU and GPU", {"stage": 1, "hpz_partition_size": 1}),
-    ("zero2", "ZeRO stage 2 (optimizer states + gradients sharded); CPU and GPU", {"stage": 2, "hpz_partition_size": 1}),
+    (
+        "zero2",
+        "ZeRO stage 2 (optimizer states + gradients sharded); CPU and GPU",
+        {"stage": 2, "hpz_partition_size": 1},
+    ),
     (
         "zero2_offload",
         "ZeRO stage 2 with optimizer states offloaded to CPU",
@@ -317,6 +319,10 @@ def _use_deepspeed_cpu_accelerator() -> None:
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         set_accelerator(CPU_Accelerator())
+
+
+def _drop_secondaries_of_gathered_parameters(module: torch.nn.Module, incompatible_keys: Any) -> None:
+    partitioning.refresh_secondary_partitions(module, gathered_only=True)
 
 
 def _quiet_deepspeed_deprecations() -> None:

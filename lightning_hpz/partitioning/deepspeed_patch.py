@@ -10,7 +10,8 @@ Two functions of ``deepspeed.runtime.zero.partition_parameters.Init`` are wrappe
   secondary shards (called by the prefetch coordinator inside its all-gather stream context). Its result is wrapped so
   that the gathering stream first waits for the copies of the shards it reads.
 
-With no ordering installed (plain DeepSpeed use next to this package) both wrappers call straight through.
+The wrappers are applied when this module is imported; until a strategy installs an ordering (and for plain
+DeepSpeed use next to this package) they call straight through.
 """
 
 from __future__ import annotations
@@ -94,11 +95,8 @@ def active_ordering() -> CopyOrdering | None:
 
 
 def install(mode: str, emulate_async_copy: bool = False) -> CopyOrdering:
-    """Wrap DeepSpeed (once per process) and make ``mode`` the ordering of every secondary copy from now on."""
-    init_cls = _partition_parameters.Init
-    if init_cls._partition_param_sec is _ORIGINAL_PARTITION_PARAM_SEC:
-        init_cls._partition_param_sec = _ordered_partition_param_sec
-        init_cls._convert_to_deepspeed_param = _convert_with_ordered_gather
+    """Make ``mode`` the ordering of every secondary-partition copy and gather in this process from now on."""
+    _wrap_deepspeed()
     device = EmulatedAsyncDevice() if emulate_async_copy else deepspeed_accelerator()
     ordering = CopyOrdering(mode, device)
     _active.update(ordering=ordering, emulated_device=device if emulate_async_copy else None)
@@ -106,11 +104,17 @@ def install(mode: str, emulate_async_copy: bool = False) -> CopyOrdering:
 
 
 def uninstall() -> None:
-    """Restore DeepSpeed's own functions (parameters converted meanwhile keep a pass-through gather wrapper)."""
-    init_cls = _partition_parameters.Init
-    init_cls._partition_param_sec = _ORIGINAL_PARTITION_PARAM_SEC
-    init_cls._convert_to_deepspeed_param = _ORIGINAL_CONVERT_TO_DEEPSPEED_PARAM
+    """Deactivate the ordering: the wrappers stay in place and call straight through to DeepSpeed."""
     _active.update(ordering=None, emulated_device=None)
+
+
+def _wrap_deepspeed() -> None:
+    # Done at import, so parameters converted by a `deepspeed.zero.Init` entered before the Trainer exists (as some
+    # scripts do) carry the ordered gather too. Idempotent.
+    init_cls = _partition_parameters.Init
+    if init_cls._partition_param_sec is _ORIGINAL_PARTITION_PARAM_SEC:
+        init_cls._partition_param_sec = _ordered_partition_param_sec
+        init_cls._convert_to_deepspeed_param = _convert_with_ordered_gather
 
 
 @contextlib.contextmanager
@@ -173,3 +177,6 @@ def _convert_with_ordered_gather(self: Any, param: Any) -> None:
         return gather(params, *args, **kwargs)
 
     param.all_gather_coalesced = all_gather_coalesced
+
+
+_wrap_deepspeed()
