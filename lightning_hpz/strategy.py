@@ -92,6 +92,7 @@ class HpzStrategy(DeepSpeedStrategy):
         self.copy_ordering: Optional[partitioning.CopyOrdering] = None
         self._verify_at_next_step = False
         self.secondary_checks_run = 0
+        self._load_hook_module: Optional[torch.nn.Module] = None
 
     # ----------------------------------------------------------------------------------------------- layout
     @property
@@ -268,7 +269,9 @@ class HpzStrategy(DeepSpeedStrategy):
         assert self.lightning_module is not None
         # A user's `load_state_dict` into the sharded model (inside GatheredParameters, often on one rank only) must
         # not leave stale copies: drop those of the gathered parameters, their release rebuilds them on every rank.
-        self.lightning_module.register_load_state_dict_post_hook(_drop_secondaries_of_gathered_parameters)
+        if self._load_hook_module is not self.lightning_module:
+            self.lightning_module.register_load_state_dict_post_hook(_drop_secondaries_of_gathered_parameters)
+            self._load_hook_module = self.lightning_module
 
     # ----------------------------------------------------------------------------------------------- registry
     @classmethod
