@@ -1,0 +1,303 @@
+"""``LossStabilityMonitor``: detect NaN/Inf losses, loss and gradient-norm spikes and divergence, and act on them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_hpz.callbacks.stability_detection import (
+    ACTIONS,
+    StabilityDecision,
+    StabilityEvent,
+    StabilityState,
+    StabilityThresholds,
+    _decide,
+)
+from lightning_hpz.callbacks.stability_report import plot_loss_curve, stability_summary, write_summary
+
+
+class UpdateNotSkippedError(RuntimeError):
+    """The engine applied an update the monitor had asked it to drop."""
+
+
+class LossStabilityMonitor(Callback):
+    """Watch the training loss and the global gradient norm; warn, stop, skip the update, or roll back.
+
+    Detectors (pure functions in :mod:`lightning_hpz.callbacks.stability_detection`): a non-finite loss; a loss
+    ``z_threshold`` deviations above the running mean of the last ``window`` normal losses for ``patience`` steps in a
+    row; the same for the global gradient norm (under DeepSpeed the engine's own norm over all shards, read after the
+    step; Lightning's ``grad_norm`` would see only this rank's shard); divergence: the loss above its starting level
+    (the mean of the first ``warmup`` losses) for ``divergence_steps`` steps in a row.
+
+    The loss is averaged over all ranks before it is judged (one all-reduce of a scalar per step), and the gradient
+    norm is global, so every rank takes the same decision without further communication.
+
+    Args:
+        action: ``"warn"``; ``"stop"``: drop the offending update, save ``stopped-step<N>.ckpt`` into ``dirpath`` and
+            stop on all ranks (resume with ``ckpt_path=``); ``"skip"``: drop the update of the offending batch (a
+            gradient-norm spike or a divergence is known only after updates were applied, so it is warned about);
+            ``"rollback"``: drop the offending update and restore ``last-good.ckpt`` (saved at the start of training
+            and every ``checkpoint_every_n_steps`` clean steps); training continues with the batches after the
+            offending one, so the offending batch and those since the checkpoint are skipped. After
+            ``max_rollbacks`` rollbacks the monitor stops instead.
+        dirpath: where checkpoints, ``stability_summary.json``, ``skip_batches.json`` and ``loss_curve.png`` go.
+            Default: ``<log_dir>/stability``.
+
+    How an update is dropped: under a DeepSpeed strategy the loss's gradient is replaced by NaN, so the engine's own
+    overflow guard discards the whole step on every rank (weights and optimizer states untouched); the monitor checks
+    ``engine.was_step_applied()`` and raises :class:`UpdateNotSkippedError` if it was not discarded (bf16 with ZeRO
+    1/2 does not check for overflow). Under other strategies the gradients are set to ``None`` before the optimizer
+    step, which a torch optimizer then leaves alone. With gradient accumulation the whole optimizer step is dropped.
+    Batches dropped once are dropped again when a resumed run meets them (``skip_batches.json``).
+    """
+
+    def __init__(
+        self,
+        action: str = "warn",
+        window: int = 50,
+        warmup: int = 10,
+        z_threshold: float = 6.0,
+        patience: int = 1,
+        grad_z_threshold: float = 6.0,
+        min_relative_std: float = 0.01,
+        divergence_steps: int = 20,
+        divergence_margin: float = 0.0,
+        checkpoint_every_n_steps: int = 50,
+        max_rollbacks: int = 3,
+        dirpath: Optional[str] = None,
+        plot: bool = True,
+    ) -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"LossStabilityMonitor(action={action!r}): choose one of {ACTIONS}.")
+        if checkpoint_every_n_steps < 1 or max_rollbacks < 0:
+            raise ValueError("checkpoint_every_n_steps must be >= 1 and max_rollbacks >= 0.")
+        self.action = action
+        self.thresholds = StabilityThresholds(
+            window=window,
+            warmup=warmup,
+            z_threshold=z_threshold,
+            patience=patience,
+            grad_z_threshold=grad_z_threshold,
+            min_relative_std=min_relative_std,
+            divergence_steps=divergence_steps,
+            divergence_margin=divergence_margin,
+        )
+        self.checkpoint_every_n_steps = checkpoint_every_n_steps
+        self.max_rollbacks = max_rollbacks
+        self.dirpath = Path(dirpath) if dirpath else None
+        self.plot = plot
+        self.state = StabilityState(self.thresholds)
+        self.losses: list[tuple[int, float]] = []
+        self.events: list[StabilityEvent] = []
+        self.rollbacks: list[dict[str, Any]] = []
+        self.skipped: list[dict[str, Any]] = []
+        self.skip_batches: set[tuple[int, int]] = set()
+        self.stop_checkpoint: Optional[str] = None
+        self.good_checkpoint_step: Optional[int] = None
+        self._step = -1
+        self._batch_key = (0, 0)
+        self._decision = StabilityDecision()
+        self._step_events: list[StabilityEvent] = []
+        self._clear_gradients = False
+        self._local_grad_norm: Optional[float] = None
+
+    # ------------------------------------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "stability"
+        skip_file = self.dirpath / "skip_batches.json"
+        if skip_file.is_file():
+            self.skip_batches |= {tuple(key) for key in json.loads(skip_file.read_text())}
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.action == "rollback":
+            self._save_good_checkpoint(trainer, trainer.global_step)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_key = (trainer.current_epoch, batch_idx)
+        self._decision, self._step_events = StabilityDecision(), []
+        self._clear_gradients, self._local_grad_norm = False, None
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._step = trainer.global_step
+        value = self._mean_over_ranks(trainer, loss.detach().float() * trainer.accumulate_grad_batches)
+        self.losses.append((self._step, value))
+        events = self.state.observe_loss(self._step, value)
+        decision = _decide(events, self.action, self.max_rollbacks - len(self.rollbacks))
+        if self._batch_key in self.skip_batches:
+            decision = replace(decision, skip_update=True)
+        if decision.skip_update:
+            self._drop_update(trainer, loss)
+        self._decision, self._step_events = decision, events
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if isinstance(trainer.strategy, DeepSpeedStrategy):
+            return  # gradients live in the engine's shards; its global norm is read after the step
+        if self._clear_gradients:  # a dropped update's gradient norm is not judged (as under DeepSpeed)
+            optimizer.zero_grad(set_to_none=True)
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads and isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy)):
+            # Under DDP every rank holds the same all-reduced gradients, so this norm is global and equal on all ranks.
+            self._local_grad_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        decision, events = self._decision, list(self._step_events)
+        grad_norm = self._global_grad_norm(trainer, decision)
+        if grad_norm is not None:
+            grad_events = self.state.observe_grad_norm(self._step, grad_norm)
+            grad_decision = _decide(grad_events, self.action, self.max_rollbacks - len(self.rollbacks))
+            decision = _merge(decision, grad_decision)
+            events += grad_events
+        self.events += events
+        if decision.skip_update:
+            reason = ",".join(e.kind for e in events) or "skip list"
+            epoch, batch_index = self._batch_key
+            self.skipped.append({"step": self._step, "epoch": epoch, "batch": batch_index, "reason": reason})
+            self.skip_batches.add(self._batch_key)
+        if events:
+            self._report(events, decision)
+        if decision.rollback:
+            self._rollback(trainer)
+        elif decision.stop:
+            self._stop(trainer)
+        elif self._should_save_good_checkpoint(events):
+            self._save_good_checkpoint(trainer, self._step + 1)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        if self.skip_batches:
+            self._write_skip_batches()
+        assert self.dirpath is not None
+        summary = stability_summary(
+            events=self.events,
+            max_loss_zscore=self.state.loss.max_zscore,
+            max_grad_norm_zscore=self.state.grad_norm.max_zscore,
+            rollbacks=self.rollbacks,
+            skipped=self.skipped,
+            stop_checkpoint=self.stop_checkpoint,
+            steps_observed=len(self.losses),
+        )
+        write_summary(self.dirpath / "stability_summary.json", summary)
+        if self.plot:
+            rollback_steps = [r["step"] for r in self.rollbacks]
+            plot_loss_curve(self.dirpath / "loss_curve.png", self.losses, self.events, rollback_steps)
+        rank_zero_info(
+            f"Stability: {summary['nonfinite_losses']} non-finite losses, {summary['loss_spikes']} loss spikes "
+            f"(max z {summary['max_loss_zscore']}), {summary['grad_norm_spikes']} gradient-norm spikes, "
+            f"{summary['divergences']} divergences, {len(self.rollbacks)} rollbacks, {len(self.skipped)} skipped "
+            f"batches. Details: {self.dirpath}"
+        )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"skip_batches": sorted(self.skip_batches), "rollbacks": self.rollbacks, "skipped": self.skipped}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skip_batches |= {tuple(key) for key in state_dict.get("skip_batches", [])}
+        self.rollbacks = list(state_dict.get("rollbacks", []))
+        self.skipped = list(state_dict.get("skipped", []))
+
+    # ------------------------------------------------------------------------------------------------ actions
+    def _drop_update(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        if isinstance(trainer.strategy, DeepSpeedStrategy):
+            # A NaN gradient trips the engine's overflow guard, which discards the step on all ranks.
+            loss.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+        else:
+            self._clear_gradients = True
+
+    def _global_grad_norm(self, trainer: Trainer, decision: StabilityDecision) -> Optional[float]:
+        if not isinstance(trainer.strategy, DeepSpeedStrategy):
+            return self._local_grad_norm
+        engine = trainer.strategy.deepspeed_engine
+        if decision.skip_update and trainer.accumulate_grad_batches == 1 and engine.was_step_applied():
+            raise UpdateNotSkippedError(
+                f"DeepSpeed applied the update of step {self._step} although the monitor made its gradients NaN: this "
+                "engine configuration does not check gradients for overflow (bf16 with ZeRO stage 1/2). Use "
+                "action='rollback' (the restore undoes the update), or ZeRO stage 3 / fp32 / fp16."
+            )
+        if not engine.was_step_applied():
+            return None
+        norm = engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def _should_save_good_checkpoint(self, events: list[StabilityEvent]) -> bool:
+        completed = self._step + 1
+        return (
+            self.action == "rollback"
+            and not events
+            and self.state.loss.spiky_in_a_row == 0
+            and completed % self.checkpoint_every_n_steps == 0
+        )
+
+    @property
+    def good_checkpoint_path(self) -> Path:
+        assert self.dirpath is not None
+        return self.dirpath / "last-good.ckpt"
+
+    def _save_good_checkpoint(self, trainer: Trainer, step: int) -> None:
+        trainer.save_checkpoint(self.good_checkpoint_path)  # a collective under sharded strategies: all ranks call
+        self.good_checkpoint_step = step
+
+    def _rollback(self, trainer: Trainer) -> None:
+        strategy = trainer.strategy
+        checkpoint = strategy.load_checkpoint(self.good_checkpoint_path)
+        if not isinstance(strategy, DeepSpeedStrategy):  # DeepSpeed restores weights and optimizer in its engine
+            strategy.load_model_state_dict(checkpoint)
+            strategy.load_optimizer_state_dict(checkpoint)
+        self.state.forget_recent()
+        self.rollbacks.append({"step": self._step, "restored_step": self.good_checkpoint_step})
+        if trainer.is_global_zero:
+            self._write_skip_batches()
+
+    def _stop(self, trainer: Trainer) -> None:
+        assert self.dirpath is not None
+        path = self.dirpath / f"stopped-step{self._step}.ckpt"
+        trainer.save_checkpoint(path)
+        self.stop_checkpoint = str(path)
+        trainer.should_stop = True  # the same decision on every rank: all leave the loop after this batch
+
+    def _write_skip_batches(self) -> None:
+        assert self.dirpath is not None
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        (self.dirpath / "skip_batches.json").write_text(json.dumps(sorted(self.skip_batches)))
+
+    def _report(self, events: list[StabilityEvent], decision: StabilityDecision) -> None:
+        what = "; ".join(
+            f"{e.kind} (value {e.value:.4g}" + (f", z {e.zscore:.1f})" if e.zscore is not None else ")") for e in events
+        )
+        done = [name for name in ("skip_update", "rollback", "stop") if getattr(decision, name)] or ["warn"]
+        rank_zero_warn(f"Training instability at step {self._step}: {what}. Action: {', '.join(done)}.")
+
+    @staticmethod
+    def _mean_over_ranks(trainer: Trainer, value: torch.Tensor) -> float:
+        reduced = trainer.strategy.reduce(value.clone(), reduce_op="mean")
+        return float(reduced)
+
+
+def _merge(first: StabilityDecision, second: StabilityDecision) -> StabilityDecision:
+    return StabilityDecision(
+        skip_update=first.skip_update or second.skip_update,
+        rollback=first.rollback or second.rollback,
+        stop=(first.stop or second.stop) and not (first.rollback or second.rollback),
+        warn=first.warn or second.warn,
+    )

@@ -1,0 +1,161 @@
+"""``TokenThroughputMonitor``: tokens/s, samples/s, TFLOP/s per device, MFU and bytes per step across/within nodes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_hpz.callbacks.batch_tokens import BatchTokens, _detect_batch_tokens
+from lightning_hpz.callbacks.model_flops import TransformerShape, shape_from_config, training_flops
+from lightning_hpz.callbacks.peak_flops import peak_flops_for
+from lightning_hpz.callbacks.strategy_traffic import strategy_traffic
+from lightning_hpz.planning import TrafficEstimate
+
+
+class TokenThroughputMonitor(Callback):
+    """Log training throughput to the Trainer's loggers, tokens/s also to the progress bar.
+
+    Metrics (every ``trainer.log_every_n_steps`` once ``window_size`` steps are known, rates over that window):
+    ``throughput/tokens_per_sec`` (real tokens of all ranks: padding excluded by the attention mask),
+    ``throughput/device/tokens_per_sec``, ``throughput/samples_per_sec``, ``throughput/device/tflops_per_sec``,
+    ``throughput/device/mfu``, and the communication model's ``comm/inter_node_bytes_per_step`` and
+    ``comm/intra_node_bytes_per_step`` (what each rank sends per optimizer step; see :mod:`lightning_hpz.planning` and
+    :mod:`lightning_hpz.callbacks.strategy_traffic` for what is assumed per strategy).
+
+    Tokens, samples and FLOPs are summed over the ranks each step (one all-reduce of three numbers), so ranks with
+    different batch sizes or padding count right. The rates come from Lightning's
+    :class:`~lightning.fabric.utilities.throughput.Throughput`.
+
+    Args:
+        model_config: a transformers config (or dict with the same keys) to count FLOPs from; default: the
+            LightningModule's ``config``, or its ``model.config``, when it has one.
+        flops_per_token: training FLOPs per computed position, instead of a config.
+        peak_flops: peak FLOP/s of one device for MFU; default: NVIDIA's datasheet figure for A100/H100/H200 at the
+            training dtype, a matmul measurement on a CPU, else no MFU.
+        window_size: steps the rates are averaged over.
+        tokens_fn: ``batch -> BatchTokens`` for batches that are not ``input_ids``/``attention_mask`` mappings.
+    """
+
+    def __init__(
+        self,
+        model_config: Optional[Any] = None,
+        flops_per_token: Optional[float] = None,
+        peak_flops: Optional[float] = None,
+        window_size: int = 20,
+        tokens_fn: Optional[Callable[[Any], BatchTokens]] = None,
+    ) -> None:
+        if window_size < 2:
+            raise ValueError(f"window_size={window_size}: the rates need at least 2 steps.")
+        if model_config is not None and flops_per_token is not None:
+            raise ValueError("Give either model_config or flops_per_token, not both.")
+        self.model_config = model_config
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.window_size = window_size
+        self.tokens_fn = tokens_fn or _detect_batch_tokens
+        self.shape: Optional[TransformerShape] = None
+        self.traffic: Optional[TrafficEstimate] = None
+        self.history: list[dict[str, float]] = []
+        self._throughput: Optional[Throughput] = None
+        self._totals = torch.zeros(3, dtype=torch.float64)  # real tokens, samples, steps (all ranks)
+        self._t0 = 0.0
+        self._module_flops_per_batch: Optional[float] = None
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        config = self.model_config if self.model_config is not None else _module_config(pl_module)
+        if config is not None and self.flops_per_token is None:
+            self.shape = shape_from_config(config)
+        self._module_flops_per_batch = getattr(pl_module, "flops_per_batch", None)  # Lightning's own convention
+        if self.peak_flops is None:
+            dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
+            self.peak_flops = peak_flops_for(trainer.strategy.root_device, dtype)
+        self._throughput = Throughput(
+            available_flops=self.peak_flops, world_size=trainer.world_size, window_size=self.window_size
+        )
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.traffic = strategy_traffic(trainer, pl_module)
+        if self.traffic is None:
+            rank_zero_warn(f"TokenThroughputMonitor: no communication model for {type(trainer.strategy).__name__}.")
+        if self.shape is None and self.flops_per_token is None and self._module_flops_per_batch is None:
+            rank_zero_info("TokenThroughputMonitor: no model config or flops_per_token given, so no TFLOP/s or MFU.")
+        self._totals.zero_()
+        self._t0 = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        counts = self.tokens_fn(batch)
+        local = [counts.real_tokens, counts.samples, self._batch_flops(counts)]
+        # On the strategy's device, as NCCL reduces only device tensors: (3,) summed over ranks.
+        step_totals = torch.tensor(local, dtype=torch.float64, device=trainer.strategy.root_device)
+        step_totals = trainer.strategy.reduce(step_totals, reduce_op="sum").cpu()
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._t0
+        self._totals += torch.tensor([step_totals[0], step_totals[1], 1.0], dtype=torch.float64)
+        self._update(trainer, elapsed, float(step_totals[2]))
+        if (trainer.global_step % trainer.log_every_n_steps) == 0:
+            self._log(trainer, pl_module)
+
+    def _batch_flops(self, counts: BatchTokens) -> float:
+        if self.flops_per_token is not None:
+            return self.flops_per_token * counts.samples * (counts.input_positions + (counts.target_positions or 0))
+        if self.shape is not None:
+            return training_flops(self.shape, counts.samples, counts.input_positions, counts.target_positions)
+        return float(self._module_flops_per_batch or 0.0)
+
+    def _update(self, trainer: Trainer, elapsed: float, global_flops: float) -> None:
+        assert self._throughput is not None
+        world = trainer.world_size
+        tokens, samples, steps = (float(v) for v in self._totals)
+        # Throughput takes per-device totals and multiplies by the world size: hand it the mean over ranks.
+        self._throughput.update(
+            time=elapsed,
+            batches=int(steps),
+            samples=samples / world,
+            lengths=tokens / world,
+            flops=(global_flops / world) if global_flops else None,
+        )
+
+    def _log(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        assert self._throughput is not None
+        raw = self._throughput.compute()
+        if "device/items_per_sec" not in raw:
+            return  # the window is not full yet
+        world = trainer.world_size
+        metrics = {
+            "throughput/tokens_per_sec": raw["device/items_per_sec"] * world,
+            "throughput/device/tokens_per_sec": raw["device/items_per_sec"],
+            "throughput/samples_per_sec": raw["device/samples_per_sec"] * world,
+        }
+        if "device/flops_per_sec" in raw:
+            metrics["throughput/device/tflops_per_sec"] = raw["device/flops_per_sec"] / 1e12
+        if "device/mfu" in raw:
+            metrics["throughput/device/mfu"] = raw["device/mfu"]
+        if self.traffic is not None:
+            metrics["comm/inter_node_bytes_per_step"] = self.traffic.inter_node_bytes
+            metrics["comm/intra_node_bytes_per_step"] = self.traffic.intra_node_bytes
+        pl_module.log("tokens/s", metrics["throughput/tokens_per_sec"], prog_bar=True, logger=False, batch_size=1)
+        pl_module.log_dict(metrics, batch_size=1)
+        self.history.append({"step": trainer.global_step, "time": raw["time"], **metrics})
+
+
+def _module_config(pl_module: LightningModule) -> Optional[Any]:
+    """A transformers config on the module or its ``model`` (the usual ways to wrap a Hugging Face model)."""
+    for owner in (pl_module, getattr(pl_module, "model", None)):
+        config = getattr(owner, "config", None)
+        if hasattr(config, "to_dict"):
+            return config
+    return None

@@ -1,0 +1,184 @@
+"""Bytes each rank sends per optimizer step, across nodes and within a node, for ZeRO stages 0-3, hpZ, qwZ and qgZ.
+
+The model follows the collectives the engine runs, not the paper's ratios:
+
+* A collective over a group of ``g`` ranks is a ring (gloo and NCCL's ring algorithm): an all-gather or a
+  reduce-scatter makes every rank send ``(g - 1) / g`` of the full tensor, an all-reduce twice that.
+* Ranks are numbered node-major (``rank = node * devices_per_node + local_rank``, Lightning's and torchrun's order) and
+  a group is a block of consecutive ranks; in its ring each rank sends to the next one, the last to the first. Every
+  link carries the same bytes, so the share of a rank's bytes that crosses nodes is the share of ring links whose two
+  ends sit on different nodes (one per node the group spans, when it spans more than one). The numbers are averages
+  over the ranks of the world: in a ring only the rank at a node's boundary sends across, so multiply by
+  ``devices_per_node`` for what one node's network link carries.
+* ZeRO-3 per step: forward all-gather of the parameters over the world, backward all-gather again (over the hpZ group
+  when ``hpz_partition_size > 1``: within a node when the group fits in one), gradient reduce-scatter over the world.
+  ZeRO-1/2: gradient reduce-scatter, then an all-gather of the updated parameters after the step. Stage 0 (DDP): one
+  gradient all-reduce.
+* qwZ sends the forward all-gather as int8 plus one fp32 scale per ``QUANTIZATION_GROUP`` values. qgZ replaces the
+  reduce-scatter by ZeRO++'s hierarchical all-to-all of int4 gradients (Wang et al. 2023, arXiv 2306.10209, sec. 3.3):
+  an all-to-all inside each node, then one across nodes among the ranks of equal local rank, each holding
+  ``1 / devices_per_node`` of the gradients already reduced inside its node.
+* torch's gloo backend runs ``reduce_scatter_tensor`` as a full all-reduce and keeps the local chunk: measured here
+  on 4 ranks, it put 6.0x the tensor's bytes on the loopback device, as much as ``all_reduce``. Pass
+  ``gradient_reduction="all_reduce"`` to model a gloo run; that is what makes hpZ's cross-node bytes 0.75 of ZeRO-3's
+  on 2 nodes x 2 ranks (with NCCL's reduce-scatter it is 2/3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GRADIENT_REDUCTIONS = ("reduce_scatter", "all_reduce")
+QUANTIZATION_GROUP = 2048  # values per fp32 scale in qwZ/qgZ's block quantization (an assumption of this model)
+_SCALE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    """How many nodes, and how many ranks (devices) on each."""
+
+    nodes: int
+    devices_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise ValueError(
+                f"ClusterLayout(nodes={self.nodes}, devices_per_node={self.devices_per_node}): both must be >= 1."
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+
+@dataclass(frozen=True)
+class ZeroSetup:
+    """The data-parallel scheme: ZeRO ``stage`` (0 = plain DDP), hpZ size and ZeRO++ quantization switches."""
+
+    stage: int
+    hpz_partition_size: int = 1
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeroSetup(stage={self.stage}): the stage must be 0 (DDP), 1, 2 or 3.")
+        if self.hpz_partition_size < 1:
+            raise ValueError(f"ZeroSetup(hpz_partition_size={self.hpz_partition_size}): must be >= 1 (1 = hpZ off).")
+        if self.stage != 3 and (self.hpz_partition_size > 1 or self.quantized_weights):
+            raise ValueError(
+                f"ZeroSetup(stage={self.stage}): hpZ and qwZ exist only for stage 3; set stage=3 or turn them off."
+            )
+
+
+@dataclass(frozen=True)
+class TrafficEstimate:
+    """Bytes one rank sends per optimizer step (average over the ranks), split by where they go."""
+
+    inter_node_bytes: float
+    intra_node_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.inter_node_bytes + self.intra_node_bytes
+
+    def __add__(self, other: TrafficEstimate) -> TrafficEstimate:
+        return TrafficEstimate(
+            self.inter_node_bytes + other.inter_node_bytes, self.intra_node_bytes + other.intra_node_bytes
+        )
+
+    def scaled(self, factor: float) -> TrafficEstimate:
+        return TrafficEstimate(self.inter_node_bytes * factor, self.intra_node_bytes * factor)
+
+
+NO_TRAFFIC = TrafficEstimate(0.0, 0.0)
+
+
+def node_link_bytes(traffic: TrafficEstimate, layout: ClusterLayout) -> float:
+    """Bytes one node sends to other nodes per step (what a node's NIC or veth ``tx_bytes`` counts): the per-rank
+    average times the ranks on the node."""
+    return traffic.inter_node_bytes * layout.devices_per_node
+
+
+def cross_node_link_share(group_size: int, layout: ClusterLayout) -> float:
+    """Share of the ring links that cross nodes, averaged over the world's consecutive groups of ``group_size``."""
+    world = layout.world_size
+    if world % group_size:
+        raise ValueError(f"A group of {group_size} ranks does not tile the world of {world} ranks.")
+    crossing = 0
+    for start in range(0, world, group_size):
+        ranks = range(start, start + group_size)
+        crossing += sum(layout.node_of(r) != layout.node_of(ranks[(i + 1) % group_size]) for i, r in enumerate(ranks))
+    return crossing / world
+
+
+def ring_traffic(tensor_bytes: float, group_size: int, layout: ClusterLayout, passes: int = 1) -> TrafficEstimate:
+    """What one rank sends for ``passes`` ring passes (1: all-gather or reduce-scatter, 2: all-reduce) over groups of
+    ``group_size`` consecutive ranks, of a tensor of ``tensor_bytes`` (the full, unsharded size)."""
+    if group_size <= 1:
+        return NO_TRAFFIC
+    sent = passes * tensor_bytes * (group_size - 1) / group_size
+    share = cross_node_link_share(group_size, layout)
+    return TrafficEstimate(sent * share, sent * (1 - share))
+
+
+def quantized_bytes(values: float, bits: int) -> float:
+    """Bytes of ``values`` numbers quantized to ``bits`` with one fp32 scale per group."""
+    return values * bits / 8 + values / QUANTIZATION_GROUP * _SCALE_BYTES
+
+
+def hierarchical_gradient_all_to_all(param_count: int, layout: ClusterLayout, bits: int = 4) -> TrafficEstimate:
+    """qgZ: int4 all-to-all inside each node, then across nodes among ranks of equal local rank."""
+    devices, nodes = layout.devices_per_node, layout.nodes
+    intra = quantized_bytes(param_count, bits) * (devices - 1) / devices
+    inter = quantized_bytes(param_count / devices, bits) * (nodes - 1) / nodes
+    return TrafficEstimate(inter, intra)
+
+
+def traffic_per_step(
+    param_count: int,
+    zero: ZeroSetup,
+    layout: ClusterLayout,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    regather_in_backward: bool = True,
+    gradient_reduction: str = "reduce_scatter",
+) -> TrafficEstimate:
+    """Bytes one rank sends per optimizer step (one micro-batch per step), across nodes and within a node.
+
+    Args:
+        param_count: parameters of the model (all of them are trained).
+        zero: stage, hpZ size, qwZ and qgZ.
+        layout: nodes and devices per node.
+        param_bytes: bytes per parameter as gathered (2 for bf16/fp16 training, 4 for fp32).
+        grad_bytes: bytes per gradient as reduced.
+        regather_in_backward: ZeRO-3 only: whether parameters are released after forward and gathered again in
+            backward (True for a large model; a small one under DeepSpeed's default ``stage3_max_live_parameters``
+            stays gathered, so no backward all-gather happens and hpZ saves nothing).
+        gradient_reduction: ``"reduce_scatter"`` (NCCL) or ``"all_reduce"`` (torch's gloo backend, see module doc).
+    """
+    if gradient_reduction not in GRADIENT_REDUCTIONS:
+        raise ValueError(f"gradient_reduction={gradient_reduction!r}: choose one of {GRADIENT_REDUCTIONS}.")
+    if zero.hpz_partition_size > 1 and layout.world_size % zero.hpz_partition_size:
+        raise ValueError(
+            f"hpz_partition_size={zero.hpz_partition_size} does not divide the world size {layout.world_size}."
+        )
+    world = layout.world_size
+    model_bytes, grads = param_count * param_bytes, param_count * grad_bytes
+    if zero.stage == 0:
+        return ring_traffic(grads, world, layout, passes=2)
+    reduction = (
+        hierarchical_gradient_all_to_all(param_count, layout)
+        if zero.quantized_gradients
+        else ring_traffic(grads, world, layout, passes=2 if gradient_reduction == "all_reduce" else 1)
+    )
+    if zero.stage in (1, 2):
+        return reduction + ring_traffic(model_bytes, world, layout)
+    forward_bytes = quantized_bytes(param_count, 8) if zero.quantized_weights else model_bytes
+    forward = ring_traffic(forward_bytes, world, layout)
+    backward_group = zero.hpz_partition_size if zero.hpz_partition_size > 1 else world
+    backward = ring_traffic(model_bytes, backward_group, layout) if regather_in_backward else NO_TRAFFIC
+    return forward + backward + reduction

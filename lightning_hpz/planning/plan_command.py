@@ -1,0 +1,128 @@
+"""``lightning-hpz plan``: predicted communication and memory per rank for each ZeRO stage, hpZ and ZeRO++."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_hpz.planning.communication import (
+    GRADIENT_REDUCTIONS,
+    ClusterLayout,
+    TrafficEstimate,
+    ZeroSetup,
+    traffic_per_step,
+)
+from lightning_hpz.planning.memory import memory_per_rank
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    name: str
+    zero: ZeroSetup
+
+
+def plan_rows(devices_per_node: int) -> list[PlanRow]:
+    """The configurations the table compares; hpZ shards the secondary copy over one node."""
+    hpz = devices_per_node
+    return [
+        PlanRow("DDP", ZeroSetup(0)),
+        PlanRow("ZeRO-1", ZeroSetup(1)),
+        PlanRow("ZeRO-2", ZeroSetup(2)),
+        PlanRow("ZeRO-3", ZeroSetup(3)),
+        PlanRow(f"ZeRO-3 + hpZ({hpz})", ZeroSetup(3, hpz)),
+        PlanRow(f"ZeRO++ (hpZ({hpz}) + qwZ + qgZ)", ZeroSetup(3, hpz, True, True)),
+    ]
+
+
+def communication_seconds(
+    traffic: TrafficEstimate, layout: ClusterLayout, inter_node_gbps: float, intra_node_gbps: float
+) -> float:
+    """Seconds per step if nothing overlaps: a node's cross-node bytes over its link, then a rank's intra-node bytes
+    over its intra-node link (``traffic`` is per rank; all ranks of a node share the node's network link)."""
+    inter = traffic.inter_node_bytes * layout.devices_per_node / (inter_node_gbps * 1e9 / 8)
+    intra = traffic.intra_node_bytes / (intra_node_gbps * 1e9 / 8)
+    return inter + intra
+
+
+def preset_parameter_count(name: str) -> int:
+    """Parameter count of a model preset of :mod:`lightning_hpz.models`, imported only when asked for."""
+    if importlib.util.find_spec("lightning_hpz.models.presets") is None:
+        raise SystemExit("--preset needs lightning_hpz.models.presets, which this installation lacks; use --params.")
+    from lightning_hpz.models import presets
+
+    if name not in presets.PRESETS:
+        raise SystemExit(f"Unknown preset {name!r}. Known presets: {', '.join(sorted(presets.PRESETS))}.")
+    return presets.PRESETS[name].parameters
+
+
+def plan_table(args: argparse.Namespace, param_count: int) -> str:
+    layout = ClusterLayout(args.nodes, args.devices_per_node)
+    header = ["configuration", "cross-node GB/rank", "intra-node GB/rank", "comm s/step", "memory GiB/rank"]
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    for row in plan_rows(args.devices_per_node):
+        if row.zero.hpz_partition_size > 1 and args.nodes == 1:
+            continue  # on one node hpZ is plain ZeRO-3
+        traffic = traffic_per_step(
+            param_count,
+            row.zero,
+            layout,
+            param_bytes=args.param_bytes,
+            grad_bytes=args.param_bytes,
+            regather_in_backward=not args.no_regather,
+            gradient_reduction=args.gradient_reduction,
+        )
+        memory = memory_per_rank(
+            param_count, row.zero, layout, args.param_bytes, args.optimizer_bytes, grad_bytes=args.param_bytes
+        )
+        seconds = communication_seconds(traffic, layout, args.inter_node_gbps, args.intra_node_gbps)
+        cells = [
+            row.name,
+            f"{traffic.inter_node_bytes / 1e9:.3f}",
+            f"{traffic.intra_node_bytes / 1e9:.3f}",
+            f"{seconds:.3f}",
+            f"{memory.total / GIB:.2f}",
+        ]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def parse_plan_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="lightning-hpz plan",
+        description="Predict bytes sent per rank per step (across / within nodes), communication time and memory "
+        "per rank (model states) for DDP, ZeRO-1/2/3, hpZ and ZeRO++. Model: lightning_hpz/planning/communication.py.",
+    )
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
+    size.add_argument("--preset", help="a model preset name of lightning_hpz.models (e.g. llama2-70b)")
+    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--devices-per-node", type=int, default=8, help="ranks per node; hpZ shards over them")
+    parser.add_argument("--inter-node-gbps", type=float, default=100.0, help="one node's network link, Gbit/s")
+    parser.add_argument("--intra-node-gbps", type=float, default=2400.0, help="one device's intra-node link, Gbit/s")
+    parser.add_argument("--param-bytes", type=int, default=2, help="bytes per parameter/gradient as communicated")
+    parser.add_argument("--optimizer-bytes", type=int, default=12, help="optimizer bytes per parameter (Adam: 12)")
+    parser.add_argument("--no-regather", action="store_true", help="ZeRO-3 keeps parameters gathered for backward")
+    parser.add_argument("--gradient-reduction", choices=GRADIENT_REDUCTIONS, default="reduce_scatter")
+    args = parser.parse_args(list(argv))
+    for name in ("nodes", "devices_per_node", "inter_node_gbps", "intra_node_gbps", "param_bytes"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.params is not None and args.params < 1:
+        parser.error(f"--params must be a positive parameter count such as 7e9, got {args.params}")
+    return args
+
+
+def plan_main(argv: Sequence[str] = ()) -> None:
+    """Print the plan table for ``argv`` (see ``lightning-hpz plan --help``)."""
+    args = parse_plan_args(argv)
+    param_count = int(args.params) if args.params is not None else preset_parameter_count(args.preset)
+    what = f"{args.preset} " if args.preset else ""
+    print(
+        f"{what}{param_count / 1e9:.2f}B parameters on {args.nodes} node(s) x {args.devices_per_node} devices, "
+        f"{args.inter_node_gbps:g} Gbit/s between nodes, {args.intra_node_gbps:g} Gbit/s within; per optimizer step"
+    )
+    print(plan_table(args, param_count))

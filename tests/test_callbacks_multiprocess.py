@@ -1,0 +1,102 @@
+"""LossStabilityMonitor and TokenThroughputMonitor on 4 CPU processes under ZeRO-3 + hpZ (4 launches, ~30-60 s each).
+
+One launch per action, each asserting all it honestly can: `skip` (also carries the throughput checks), `rollback`,
+`stop`, and a resume from the checkpoint `stop` left.
+"""
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import run_script
+
+from lightning_hpz.planning import ClusterLayout, ZeroSetup, traffic_per_step
+
+pytestmark = pytest.mark.multiprocess
+SCRIPT = "callback_training.py"
+
+
+def launch(out: Path, **options) -> dict:
+    run = run_script(SCRIPT, options, out, timeout=420)
+    assert run.returncode == 0, run.output[-4000:]
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def skip_run(module_tmp):
+    return launch(module_tmp / "skip", action="skip", nan_at_step=5, steps=12, flops_per_token=1e5)
+
+
+@pytest.fixture(scope="module")
+def stop_run(module_tmp):
+    return launch(module_tmp / "stop", action="stop", nan_at_step=5, steps=12)
+
+
+def weights_after(result: dict, step: int) -> list[float]:
+    return result["after_step"][str(step)]
+
+
+def test_skip_leaves_weights_exactly_as_before_the_bad_batch(skip_run):
+    assert [s["step"] for s in skip_run["skipped"]] == [5]
+    assert skip_run["before_bad_step"] == weights_after(skip_run, 4)
+    assert weights_after(skip_run, 5) == weights_after(skip_run, 4)
+    assert weights_after(skip_run, 6) != weights_after(skip_run, 5)  # training goes on
+    assert skip_run["final_weights_finite"]
+
+
+def test_rollback_restores_last_good_checkpoint_and_skips_the_bad_batch(module_tmp):
+    out = module_tmp / "rollback"
+    result = launch(out, action="rollback", nan_at_step=6, steps=10, checkpoint_every=4)
+    assert result["rollbacks"] == [{"step": 6, "restored_step": 4}]
+    assert weights_after(result, 6) == weights_after(result, 3)  # the weights saved after 4 completed steps
+    assert [s["step"] for s in result["skipped"]] == [6]
+    assert result["global_step"] == 10 and result["final_weights_finite"]
+    assert all(math.isfinite(result["losses"][str(step)]) for step in range(7, 10))
+    summary = json.loads((out / "stability" / "stability_summary.json").read_text())
+    assert (summary["nonfinite_losses"], len(summary["rollbacks"]), len(summary["skipped_batches"])) == (1, 1, 1)
+    assert (out / "stability" / "loss_curve.png").stat().st_size > 0
+    assert json.loads((out / "stability" / "skip_batches.json").read_text()) == [[0, 6]]
+
+
+def test_stop_saves_a_checkpoint_and_ends_every_rank(stop_run):
+    assert stop_run["global_step"] == 6  # the bad step 5 was the last one
+    assert Path(stop_run["stop_checkpoint"]).is_dir()
+    assert weights_after(stop_run, 5) == weights_after(stop_run, 4)  # the bad update was dropped before saving
+
+
+def test_stop_checkpoint_resumes(stop_run, module_tmp):
+    result = launch(module_tmp / "resume", action="warn", steps=9, resume_from=stop_run["stop_checkpoint"])
+    assert result["global_step"] == 9
+    assert sorted(result["losses"], key=int) == ["6", "7", "8"]
+    assert result["final_weights_finite"]
+    assert all(math.isfinite(v) for v in result["losses"].values())
+
+
+def logged_metrics(out: Path) -> list[dict]:
+    with open(out / "logs" / "version_0" / "metrics.csv") as handle:
+        return [row for row in csv.DictReader(handle) if row.get("throughput/tokens_per_sec")]
+
+
+def test_logged_tokens_per_second_match_tokens_processed_over_time(skip_run, module_tmp):
+    last = skip_run["throughput"][-1]  # rank 0's record of what it logged, at global step `step`
+    logged = [float(row["throughput/tokens_per_sec"]) for row in logged_metrics(module_tmp / "skip")]
+    assert last["throughput/tokens_per_sec"] == pytest.approx(logged[-1])
+    step, window = last["step"], 8  # TokenThroughputMonitor(window_size=8): rates over the last 7 steps
+    tokens = skip_run["real_tokens_per_step"][step - window + 1 : step]  # all ranks, counted by the model
+    times = skip_run["batch_end_times"]
+    expected = sum(tokens) / (times[step - 1] - times[step - window])
+    assert last["throughput/tokens_per_sec"] == pytest.approx(expected, rel=0.05)
+    assert last["throughput/device/tokens_per_sec"] == pytest.approx(expected / 4, rel=0.05)
+    assert last["throughput/device/tflops_per_sec"] > 0 and last["throughput/device/mfu"] > 0
+
+
+def test_logged_bytes_per_step_come_from_the_planning_model(skip_run, module_tmp):
+    last = logged_metrics(module_tmp / "skip")[-1]
+    # One node of 4 CPU ranks over gloo, ZeRO-3 + hpZ(2), fp32, parameters re-gathered in backward.
+    expected = traffic_per_step(
+        skip_run["parameters"], ZeroSetup(3, 2), ClusterLayout(1, 4), 4, 4, True, gradient_reduction="all_reduce"
+    )
+    assert float(last["comm/intra_node_bytes_per_step"]) == pytest.approx(expected.intra_node_bytes)
+    assert float(last["comm/inter_node_bytes_per_step"]) == 0.0
