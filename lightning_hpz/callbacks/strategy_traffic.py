@@ -16,14 +16,15 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 
+from lightning_hpz.partitioning.sharded_parameters import full_element_count
 from lightning_hpz.planning import ClusterLayout, TrafficEstimate, ZeroSetup, traffic_per_step
 
 _DEEPSPEED_KEEP_DEFAULT = 1_000_000_000  # DeepSpeed's default stage3_max_live_parameters / max_reuse_distance
 
 
 def full_parameter_count(module: torch.nn.Module) -> int:
-    # Under ZeRO-3 a parameter holds only its shard; ``ds_numel`` (set by deepspeed.zero.Init) is its full size.
-    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
+    # Under ZeRO-3 a parameter holds only its shard: count whole parameters from their full shapes.
+    return full_element_count(module)
 
 
 def zero_setup_of(strategy: Any) -> Optional[ZeroSetup]:

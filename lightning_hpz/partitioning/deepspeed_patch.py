@@ -76,12 +76,23 @@ def _check_installed_deepspeed() -> Any:
                 "order hpZ secondary copies. Install a tested release: "
                 f"`pip install 'deepspeed>={TESTED_DEEPSPEED_MIN},<{TESTED_DEEPSPEED_BELOW}'`."
             )
+    from deepspeed.utils import groups
+
+    for name in ("_create_zero_param_parallel_group", "_get_zero_param_intra_parallel_group_world_size"):
+        if not callable(getattr(groups, name, None)) or not hasattr(groups, "_ZERO_PARAM_INTRA_PARALLEL_GROUP"):
+            raise IncompatibleDeepSpeedError(
+                f"DeepSpeed {deepspeed.__version__} has no `deepspeed.utils.groups.{name}`, which lightning_hpz wraps "
+                "so that several hpZ models can live in one process. Install a tested release: "
+                f"`pip install 'deepspeed>={TESTED_DEEPSPEED_MIN},<{TESTED_DEEPSPEED_BELOW}'`."
+            )
     return partition_parameters
 
 
 _partition_parameters = _check_installed_deepspeed()
 _ORIGINAL_PARTITION_PARAM_SEC = _partition_parameters.Init._partition_param_sec
 _ORIGINAL_CONVERT_TO_DEEPSPEED_PARAM = _partition_parameters.Init._convert_to_deepspeed_param
+_groups = _partition_parameters.groups
+_ORIGINAL_CREATE_HPZ_GROUP = _groups._create_zero_param_parallel_group
 _active: dict[str, Any] = {"ordering": None, "emulated_device": None}
 
 
@@ -115,6 +126,18 @@ def _wrap_deepspeed() -> None:
     if init_cls._partition_param_sec is _ORIGINAL_PARTITION_PARAM_SEC:
         init_cls._partition_param_sec = _ordered_partition_param_sec
         init_cls._convert_to_deepspeed_param = _convert_with_ordered_gather
+        _groups._create_zero_param_parallel_group = _create_or_reuse_hpz_group
+
+
+def _create_or_reuse_hpz_group(group_size: int) -> None:
+    """DeepSpeed builds the hpZ groups once per process and asserts on a second model (fit, then validate; or a
+    second Trainer): reuse the groups when the size is the same, build new ones when it differs."""
+    if _groups._ZERO_PARAM_INTRA_PARALLEL_GROUP is not None:
+        world_size = torch.distributed.get_world_size()
+        if _groups._get_zero_param_intra_parallel_group_world_size() == min(group_size, world_size):
+            return
+        _groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None  # models built earlier keep their own group objects
+    _ORIGINAL_CREATE_HPZ_GROUP(group_size)
 
 
 @contextlib.contextmanager

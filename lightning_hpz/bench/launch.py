@@ -1,0 +1,124 @@
+"""Start one benchmark configuration on the testbed: a torchrun agent per node, ranks bound to the veth pair."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_hpz.bench.testbed import TwoNodeTestbed
+
+
+class ConfigurationFailedError(RuntimeError):
+    """A configuration's processes failed or ran out of time; the message points at its log."""
+
+
+@dataclass
+class Launch:
+    """Where a configuration runs and how long it may take."""
+
+    testbed: TwoNodeTestbed
+    devices_per_node: int
+    port: int
+    timeout_s: float
+
+
+def torchrun_command(testbed: TwoNodeTestbed, node: int, devices: int, port: int, spec_path: Path) -> list[str]:
+    return [
+        *testbed.exec_prefix(node),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        f"--node-rank={node}",
+        f"--nproc-per-node={devices}",
+        f"--master-addr={testbed.address(0)}",
+        f"--master-port={port}",
+        "--max-restarts=0",
+        "-m",
+        "lightning_hpz.bench.worker",
+        str(spec_path),
+    ]
+
+
+def node_environment(testbed: TwoNodeTestbed, node: int) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("MASTER_", "TORCHELASTIC_"))}
+    env.update(
+        GLOO_SOCKET_IFNAME=testbed.interface(node),  # gloo binds here; same-node peers then meet over loopback
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        LIGHTNING_HPZ_EMULATE_ASYNC_COPY="0",
+        DS_ACCELERATOR="cpu",  # the benchmark trains on CPU processes, also on a machine with a GPU
+    )
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(key, None)
+    return env
+
+
+def run_configuration(launch: Launch, spec: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
+    """Train one configuration on both nodes; return every rank's record, ordered by rank."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob("rank*.json"):
+        stale.unlink()
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(json.dumps({**spec, "out": str(run_dir)}, indent=1))
+    log_path = run_dir / "log.txt"
+    with log_path.open("w") as log:
+        agents = [
+            subprocess.Popen(
+                torchrun_command(launch.testbed, node, launch.devices_per_node, launch.port, spec_path),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=node_environment(launch.testbed, node),
+                start_new_session=True,  # own process group: Ctrl-C reaches us, and we end the whole group
+            )
+            for node in (0, 1)
+        ]
+        try:
+            _wait(agents, launch.timeout_s, log_path)
+        finally:
+            for agent in agents:
+                _end_group(agent)
+    records = [json.loads(p.read_text()) for p in run_dir.glob("rank*.json")]
+    expected = 2 * launch.devices_per_node
+    if len(records) != expected:
+        raise ConfigurationFailedError(f"{len(records)} of {expected} ranks wrote results; see {log_path}.")
+    return sorted(records, key=lambda record: record["rank"])
+
+
+def _wait(agents: list[subprocess.Popen], timeout_s: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = [agent.poll() for agent in agents]
+        if any(code not in (None, 0) for code in codes):
+            raise ConfigurationFailedError(f"a node's torchrun exited with {codes}; see {log_path}.")
+        if all(code == 0 for code in codes):
+            return
+        time.sleep(0.5)
+    raise ConfigurationFailedError(f"did not finish within {timeout_s:.0f} s; see {log_path}.")
+
+
+def _end_group(agent: subprocess.Popen) -> None:
+    """End the agent and every rank it started (they share its process group); nothing to do after a clean exit."""
+    if agent.poll() == 0:
+        return
+    if agent.poll() is None:
+        _signal_group(agent.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.wait(timeout=10)
+    # Ranks can outlive a failed agent; they keep its process group, whose id is the agent's pid.
+    _signal_group(agent.pid, signal.SIGKILL)
+    if agent.poll() is None:
+        agent.wait(timeout=10)
+
+
+def _signal_group(group: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, sig)

@@ -1,0 +1,37 @@
+"""The communication model's prediction for a benchmark configuration (``lightning_hpz.planning.communication``).
+
+The PyTorch peers are predicted by the ZeRO setup with the same traffic pattern (see
+:class:`~lightning_hpz.bench.configurations.BenchConfiguration`). The model is imported only when asked for, so the
+benchmark still measures where it is missing; the prediction is then ``None`` with the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+from lightning_hpz.bench.configurations import BenchConfiguration
+
+FP32_BYTES = 4  # the benchmark trains in fp32 on CPU: parameters and gradients travel as 4-byte floats
+# torch's gloo backend runs a reduce-scatter as a full all-reduce (measured by the model's author, see its docstring).
+GLOO_GRADIENT_REDUCTION = "all_reduce"
+
+
+def predicted_cross_node_bytes(
+    configuration: BenchConfiguration, parameter_count: int, devices_per_node: int
+) -> tuple[Optional[float], str]:
+    """(inter-node bytes per rank per step, how it was obtained)."""
+    try:
+        from lightning_hpz.planning.communication import ClusterLayout, ZeroSetup, traffic_per_step
+    except ImportError as err:
+        return None, f"no prediction: the communication model is not importable ({err})"
+    setup = ZeroSetup(
+        stage=configuration.zero_stage, hpz_partition_size=configuration.hpz_partition_size(devices_per_node)
+    )
+    options: dict[str, Any] = {"param_bytes": FP32_BYTES, "grad_bytes": FP32_BYTES, "regather_in_backward": True}
+    if "gradient_reduction" in inspect.signature(traffic_per_step).parameters:
+        options["gradient_reduction"] = GLOO_GRADIENT_REDUCTION
+    layout = ClusterLayout(nodes=2, devices_per_node=devices_per_node)
+    estimate = traffic_per_step(parameter_count, setup, layout, **options)
+    described = ", ".join(f"{key}={value!r}" for key, value in options.items())
+    return float(estimate.inter_node_bytes), f"traffic_per_step({setup}, {layout}, {described})"

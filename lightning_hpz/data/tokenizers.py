@@ -1,0 +1,92 @@
+"""Tokenizers: a byte-level one that needs no files (the default), or a Hugging Face tokenizer from a local path."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    """What the data pipelines need from a tokenizer."""
+
+    name: str
+    vocab_size: int
+    pad_id: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def sentinel_ids(self, count: int) -> list[int]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: id 0 = pad, 1 = end of sequence, 2 = unknown, 3..258 = bytes, then T5 sentinels.
+
+    Needs no vocabulary file, so the default corpus trains with no download; the tiny presets' vocabulary (384) holds
+    it with its 100 sentinels.
+    """
+
+    name = "byte"
+    pad_id = 0
+    eos_id = 1
+    unk_id = 2
+    byte_offset = 3
+
+    def __init__(self, num_sentinels: int = 100) -> None:
+        self.num_sentinels = num_sentinels
+        self.vocab_size = self.byte_offset + 256 + num_sentinels
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.byte_offset for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        data = bytes(i - self.byte_offset for i in ids if self.byte_offset <= i < self.byte_offset + 256)
+        return data.decode("utf-8", errors="replace")
+
+    def sentinel_ids(self, count: int) -> list[int]:
+        if count > self.num_sentinels:
+            raise ValueError(f"{count} sentinels requested, the byte tokenizer has {self.num_sentinels}.")
+        first = self.byte_offset + 256
+        return list(range(first, first + count))
+
+
+class TokenizerNotFoundError(FileNotFoundError):
+    """``tokenizer=`` names neither ``"byte"`` nor a local tokenizer directory."""
+
+
+class HuggingFaceTokenizer:
+    """A transformers tokenizer loaded from a local directory (no hub access), e.g. the one shipped with a model."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if not path.is_dir():
+            raise TokenizerNotFoundError(
+                f"tokenizer={str(path)!r} is not a directory. Pass 'byte' for the built-in byte tokenizer, or the "
+                "local directory of a Hugging Face tokenizer (tokenizer.json / tokenizer_config.json)."
+            )
+        self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        digest = hashlib.sha256(str(sorted(self._tokenizer.get_vocab().items())).encode()).hexdigest()[:12]
+        self.name = f"hf-{path.name}-{digest}"
+        self.vocab_size = len(self._tokenizer)
+        self.eos_id = self._tokenizer.eos_token_id if self._tokenizer.eos_token_id is not None else 0
+        self.pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else self.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def sentinel_ids(self, count: int) -> list[int]:
+        ids = [self._tokenizer.convert_tokens_to_ids(f"<extra_id_{i}>") for i in range(count)]
+        if any(i is None or i == self._tokenizer.unk_token_id for i in ids):
+            raise ValueError(
+                f"The tokenizer at {self.name} has no T5 sentinel tokens <extra_id_0>..<extra_id_{count - 1}>: span "
+                "corruption needs a T5/mT5 tokenizer."
+            )
+        return ids
+
+
+def load_tokenizer(spec: str = "byte") -> Tokenizer:
+    """``"byte"`` for :class:`ByteTokenizer`, otherwise the local directory of a Hugging Face tokenizer."""
+    return ByteTokenizer() if spec == "byte" else HuggingFaceTokenizer(spec)
