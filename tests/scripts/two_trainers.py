@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 import lightning as L
-from toy_training import RegressionData, ToyRegressor
 from torch.utils.data import DataLoader
+from toy_training import RegressionData, ToyRegressor
 
 import lightning_hpz
 
