@@ -87,8 +87,8 @@ def test_logged_tokens_per_second_match_tokens_processed_over_time(skip_run, mod
     tokens = skip_run["real_tokens_per_step"][step - window + 1 : step]  # all ranks, counted by the model
     times = skip_run["batch_end_times"]
     expected = sum(tokens) / (times[step - 1] - times[step - window])
-    assert last["throughput/tokens_per_sec"] == pytest.approx(expected, rel=0.05)
-    assert last["throughput/device/tokens_per_sec"] == pytest.approx(expected / 4, rel=0.05)
+    assert last["throughput/tokens_per_sec"] == pytest.approx(expected, rel=1e-6)
+    assert last["throughput/device/tokens_per_sec"] == pytest.approx(expected / 4, rel=1e-6)
     assert last["throughput/device/tflops_per_sec"] > 0 and last["throughput/device/mfu"] > 0
 
 

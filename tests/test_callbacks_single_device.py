@@ -129,26 +129,34 @@ class TinyLlama(L.LightningModule):
 
 
 class StepClock(L.Callback):
+    """A controlled clock: each step lasts a known, different time, so no wall-clock noise enters the assertions."""
+
     def __init__(self) -> None:
+        self.now = 100.0
         self.times: list[float] = []
 
+    def perf_counter(self) -> float:
+        return self.now
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.now += 0.05 * (1 + batch_idx % 3)
+
     def on_train_batch_end(self, *args, **kwargs):
-        import time
-
-        self.times.append(time.perf_counter())
+        self.times.append(self.now)
 
 
-def test_throughput_counts_real_tokens_and_model_flops(tmp_path):
+def test_throughput_counts_real_tokens_and_model_flops(tmp_path, monkeypatch):
     monitor, clock = TokenThroughputMonitor(window_size=6, peak_flops=1e12), StepClock()
+    monkeypatch.setattr("lightning_hpz.callbacks.token_throughput_monitor.time", clock)
     model = TinyLlama()
     fit(tmp_path, model, [monitor, clock], steps=8)
     last = monitor.history[-1]
     steps = last["step"]  # rates over the last 5 intervals, ending at this step
     window = model.batches[steps - 5 : steps]
     elapsed = clock.times[steps - 1] - clock.times[steps - 6]
-    assert last["throughput/tokens_per_sec"] == pytest.approx(sum(b[2] for b in window) / elapsed, rel=0.05)
+    assert last["throughput/tokens_per_sec"] == pytest.approx(sum(b[2] for b in window) / elapsed, rel=1e-9)
     shape = shape_from_config(model.model.config)
     flops = sum(training_flops(shape, b[0], b[1]) for b in window)
-    assert last["throughput/device/tflops_per_sec"] == pytest.approx(flops / elapsed / 1e12, rel=0.05)
+    assert last["throughput/device/tflops_per_sec"] == pytest.approx(flops / elapsed / 1e12, rel=1e-9)
     assert last["throughput/device/mfu"] == pytest.approx(last["throughput/device/tflops_per_sec"], rel=1e-6)
     assert last["comm/inter_node_bytes_per_step"] == 0.0  # one device: nothing sent

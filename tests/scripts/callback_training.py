@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_hpz
-from lightning_hpz.callbacks import LossStabilityMonitor, TokenThroughputMonitor
+from lightning_hpz.callbacks import LossStabilityMonitor, TokenThroughputMonitor, token_throughput_monitor
 
 VOCAB, SEQ, PAD = 64, 16, 0
 TINY_ZERO3 = {
@@ -87,7 +87,6 @@ class WeightRecorder(L.Callback):
         self.nan_at_step = nan_at_step
         self.after_step: dict[int, list[float]] = {}
         self.before_bad_step: list[float] = []
-        self.batch_end_times: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.nan_at_step:
@@ -95,7 +94,17 @@ class WeightRecorder(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.after_step[trainer.global_step - 1] = full_weights(pl_module)
-        self.batch_end_times.append(time.perf_counter())
+
+
+class MonitorClock:
+    """The throughput monitor's clock, keeping every reading: the test divides by the very times it measured."""
+
+    def __init__(self) -> None:
+        self.readings: list[float] = []
+
+    def perf_counter(self) -> float:
+        self.readings.append(time.perf_counter())
+        return self.readings[-1]
 
 
 def main(options: dict) -> None:
@@ -110,7 +119,8 @@ def main(options: dict) -> None:
         dirpath=str(out / "stability"),
     )
     throughput = TokenThroughputMonitor(flops_per_token=options.get("flops_per_token"), window_size=8)
-    # The recorder runs last, so its clock reads each step's end right after the throughput monitor's.
+    clock = MonitorClock()
+    token_throughput_monitor.time = clock  # read once at train start, then once at each batch end
     recorder = WeightRecorder(options.get("nan_at_step", -1))
     callbacks = [monitor, throughput, recorder]
     trainer = L.Trainer(
@@ -146,7 +156,7 @@ def main(options: dict) -> None:
         "stop_checkpoint": monitor.stop_checkpoint,
         "good_checkpoint_step": monitor.good_checkpoint_step,
         "real_tokens_per_step": real_tokens.tolist(),
-        "batch_end_times": recorder.batch_end_times,
+        "batch_end_times": clock.readings[1:],
         "throughput": throughput.history,
         "traffic": None if throughput.traffic is None else vars(throughput.traffic),
         "parameters": sum(p.ds_numel for p in model.parameters()),
