@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_hpz.partitioning.deepspeed_patch import active_ordering, deepspeed_accelerator
+from lightning_hpz.partitioning.sharded_parameters import is_partitioned
 
 
 class SecondaryPartitionMismatchError(RuntimeError):
@@ -41,7 +42,7 @@ class SecondaryCheckReport:
 def zero3_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """The parameters of ``module`` that ZeRO-3 partitioned, with their names."""
     for name, param in module.named_parameters():
-        if hasattr(param, "ds_tensor"):
+        if is_partitioned(param):
             yield name, param
 
 
