@@ -1,0 +1,95 @@
+"""Every collective this package issues goes through here, with its tensors on a device the process group accepts.
+
+NCCL refuses CPU tensors and gloo has no CUDA reduce-scatter: a collective written with ``torch.tensor(...)`` on the
+default device works in the CPU tests and crashes the first GPU run. One place decides the device from the group's
+backend, so the CPU tests exercise the same code path a GPU run takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+
+
+def is_distributed() -> bool:
+    """True once a default process group exists (one process without it is a world of one)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(group: Optional[Any] = None) -> int:
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def rank(group: Optional[Any] = None) -> int:
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def collective_device(group: Optional[Any] = None) -> torch.device:
+    """The device a tensor must be on for a collective over ``group``: this rank's GPU under NCCL, else the CPU."""
+    if is_distributed() and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Optional[Any] = None) -> torch.Tensor:
+    """A reduced copy of ``tensor`` on ``tensor``'s own device; ``tensor`` itself is left unchanged."""
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"op={op!r}: choose one of {sorted(_REDUCE_OPS)}")
+    if not is_distributed():
+        return tensor.clone()
+    placed = tensor.detach().to(collective_device(group), copy=True)
+    dist.all_reduce(placed, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]), group=group)
+    return placed.to(tensor.device)
+
+
+def all_reduce_values(values: list[float], op: str = "sum", group: Optional[Any] = None) -> list[float]:
+    """Reduce a few Python numbers across ranks in one collective (float64, so counts stay exact)."""
+    reduced = all_reduce(torch.tensor(values, dtype=torch.float64), op=op, group=group)
+    return reduced.tolist()
+
+
+def all_gather_tensor(tensor: torch.Tensor, group: Optional[Any] = None) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on each), in rank order, on ``tensor``'s device."""
+    if not is_distributed():
+        return [tensor.clone()]
+    placed = tensor.detach().to(collective_device(group), copy=True).contiguous()
+    pieces = [torch.empty_like(placed) for _ in range(world_size(group))]
+    dist.all_gather(pieces, placed, group=group)
+    return [piece.to(tensor.device) for piece in pieces]
+
+
+def all_gather_object(obj: Any, group: Optional[Any] = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order."""
+    if not is_distributed():
+        return [obj]
+    gathered: list[Any] = [None] * world_size(group)
+    _with_object_device(lambda: dist.all_gather_object(gathered, obj, group=group), group)
+    return gathered
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Optional[Any] = None) -> Any:
+    """``src``'s ``obj`` on every rank."""
+    if not is_distributed():
+        return obj
+    holder = [obj]
+    _with_object_device(lambda: dist.broadcast_object_list(holder, src=src, group=group), group)
+    return holder[0]
+
+
+def barrier(group: Optional[Any] = None) -> None:
+    if is_distributed():
+        dist.barrier(group=group)
+
+
+def _with_object_device(call: Any, group: Optional[Any]) -> None:
+    # Object collectives pickle into a tensor on torch.cuda.current_device() under NCCL: make sure that is this rank's.
+    device = collective_device(group)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            call()
+    else:
+        call()
