@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_hpz import config as cfg
 from lightning_hpz import partitioning
+from lightning_hpz.inference import inference_config
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.resumable_loader import ResumableLoader
 
@@ -190,10 +191,8 @@ class HpzStrategy(DeepSpeedStrategy):
     ) -> tuple[Any, Any]:
         import deepspeed
 
-        # DeepSpeed compares the device rank with 0; a CPU device has no index, so the local rank stands in.
-        device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=device_rank),
+            args=argparse.Namespace(device_rank=self._deepspeed_device_rank),
             config=self.config,
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -202,6 +201,31 @@ class HpzStrategy(DeepSpeedStrategy):
             dist_init_required=False,
         )
         return engine, deepspeed_optimizer
+
+    @property
+    def _deepspeed_device_rank(self) -> int:
+        # DeepSpeed compares the device rank with 0; a CPU device has no index, so the local rank stands in.
+        return self.root_device.index if self.root_device.index is not None else self.local_rank
+
+    @override
+    def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
+        # Replaces Lightning's DeepSpeedStrategy._initialize_deepspeed_inference, which passes the device index (None
+        # on CPU) and builds an engine that DeepSpeed 0.19.8 cannot build for hpZ (see partitioning/hpz_groups.py).
+        import deepspeed
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        if self.zero_stage_3:
+            partitioning.ensure_hpz_groups(self.hpz_partition_size or 1)
+        remove_module_hooks(model)  # as Lightning does: the engine registers its own hooks
+        self.model, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._deepspeed_device_rank),
+            config=inference_config(self.config),
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -254,7 +278,8 @@ class HpzStrategy(DeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        with partitioning.optimizer_less_checkpoint_load(self.model):
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         self._after_weights_changed()
         return checkpoint
 
