@@ -72,17 +72,18 @@ class HpzStrategy(DeepSpeedStrategy):
     ) -> None:
         if hpz_sync not in SYNC_MODES:
             raise cfg.HpzConfigurationError(f"hpz_sync={hpz_sync!r} is not a mode; choose one of {SYNC_MODES}.")
-        user_config = cfg.load_user_config(config)
+        user_config = cfg.load_user_config(*cfg.user_config_source(config))
         explicit = dict(
             stage=stage,
             hpz_partition_size=hpz_partition_size,
             quantized_weights=quantized_weights,
             quantized_gradients=quantized_gradients,
         )
-        self.zero_settings = cfg.resolve_zero_settings(explicit, user_config)
+        self.zero_settings = cfg.resolve_zero_settings(explicit, user_config, kwargs.get("zero_optimization", True))
         cfg.validate_settings(self.zero_settings)
         super().__init__(stage=self.zero_settings.stage, config=None, **kwargs)
         self.config = cfg.merge_configs(self.config, user_config)
+        cfg.validate_activation_checkpointing(self.config)
         self.hpz_sync = hpz_sync
         self.emulate_async_copy = (
             partitioning.emulation_requested() if emulate_async_copy is None else emulate_async_copy
@@ -94,6 +95,29 @@ class HpzStrategy(DeepSpeedStrategy):
         self._verify_at_next_step = False
         self.secondary_checks_run = 0
         self._load_hook_module: Optional[torch.nn.Module] = None
+
+    @override
+    def _load_config(self, config: Any) -> None:
+        # Lightning's DeepSpeedStrategy.__init__ replaces its defaults by what this returns (config= or the
+        # PL_DEEPSPEED_CONFIG_PATH file); this strategy merges that config over the defaults itself, in __init__.
+        return None
+
+    @override
+    def _set_deepspeed_activation_checkpointing(self) -> None:
+        # Lightning's version leaves out the layer count and the boundary sync: contiguous checkpointing then fails.
+        import deepspeed
+
+        section = self.config.get("activation_checkpointing")
+        if section:
+            deepspeed.checkpointing.configure(
+                mpu_=None,
+                partition_activations=section.get("partition_activations"),
+                contiguous_checkpointing=section.get("contiguous_memory_optimization"),
+                num_checkpoints=section.get("number_checkpoints"),
+                checkpoint_in_cpu=section.get("cpu_checkpointing"),
+                synchronize=section.get("synchronize_checkpoint_boundary"),
+                profile=section.get("profile"),
+            )
 
     # ----------------------------------------------------------------------------------------------- layout
     @property
@@ -119,7 +143,8 @@ class HpzStrategy(DeepSpeedStrategy):
                 "Use accelerator='cpu', or unset LIGHTNING_HPZ_EMULATE_ASYNC_COPY."
             )
         self.hpz_partition_size = size
-        self.config.setdefault("zero_optimization", {}).update(cfg.zero_section(settings, size))
+        if settings.stage:  # stage 0 (zero_optimization=False) keeps ZeRO off, as in Lightning
+            self.config.setdefault("zero_optimization", {}).update(cfg.zero_section(settings, size))
         if settings.hpz_partition_size == "auto":
             rank_zero_info(how)
 
