@@ -14,13 +14,12 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hpz import config as cfg
-from lightning_hpz import partitioning
+from lightning_hpz import partitioning, rank_failure
 from lightning_hpz.inference import inference_config
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.resumable_loader import ResumableLoader
@@ -49,8 +48,12 @@ class HpzStrategy(DeepSpeedStrategy):
             secondary partition matches its primary partitions, and raise if not. Default True.
         exact_resume: make a resume from a mid-epoch checkpoint continue with the very batches the interrupted run
             would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader). Default True.
-        config: a DeepSpeed config dict or JSON path, merged over the strategy's defaults (nested sections key by
-            key); a value given both here and as one of the arguments above must agree.
+        failure_grace_period: when the Trainer raises on a rank, that rank aborts its process groups so the others
+            leave their collectives with an error and can run their own ``except`` code; ranks of its node still
+            blocked this many seconds later (where an abort cannot reach them) are killed. Default 30.
+        config: a DeepSpeed config dict or JSON path (default: the file named by ``PL_DEEPSPEED_CONFIG_PATH``, as in
+            Lightning), merged over the strategy's defaults (nested sections key by key); a value given both here and
+            as one of the arguments above must agree.
         **kwargs: every other :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` argument (offload, buckets,
             activation checkpointing, ``logging_level``, ``timeout``, ...).
     """
@@ -67,6 +70,7 @@ class HpzStrategy(DeepSpeedStrategy):
         emulate_async_copy: Optional[bool] = None,
         verify_after_load: bool = True,
         exact_resume: bool = True,
+        failure_grace_period: float = rank_failure.DEFAULT_GRACE_PERIOD_S,
         config: Union[dict[str, Any], str, Path, None] = None,
         **kwargs: Any,
     ) -> None:
@@ -90,6 +94,7 @@ class HpzStrategy(DeepSpeedStrategy):
         )
         self.verify_after_load = verify_after_load
         self.exact_resume = exact_resume
+        self.failure_grace_period = failure_grace_period
         self.hpz_partition_size: Optional[int] = None  # resolved once the cluster layout is known
         self.copy_ordering: Optional[partitioning.CopyOrdering] = None
         self._verify_at_next_step = False
@@ -270,10 +275,10 @@ class HpzStrategy(DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        # Lightning's launcher only reaps its children when one of them fails; a failure on rank 0 would leave them
-        # blocked in a collective until the process-group timeout. End them now.
-        if isinstance(self.launcher, _SubprocessScriptLauncher) and getattr(self.launcher, "procs", None):
-            self.launcher.kill(_get_sigkill_signal())
+        # Peers would wait for this rank in their next collective until the timeout: let them leave it with an error.
+        # The children of Lightning's subprocess launcher (its `procs`) still stuck after the grace period are killed.
+        children = self.launcher.procs if isinstance(self.launcher, _SubprocessScriptLauncher) else None
+        rank_failure.release_peers(children, self.failure_grace_period)
 
     # ----------------------------------------------------------------------------------------------- secondaries
     def refresh_secondary_partitions(self) -> int:
