@@ -17,7 +17,7 @@ def _survivors(marker: str) -> list[str]:
 def test_script_catching_the_error_exits_zero_after_cleanup_on_every_rank(tmp_path):
     # with strategy="ddp" this script exits 0; the strategy must not kill ranks that are handling the error
     out = tmp_path / "caught"
-    options = {"phase": "fit", "fail_on_ranks": [0, 1], "catch": True, "grace": 30}
+    options = {"phase": "fit", "fail_on_ranks": [0, 1], "catch": True, "cleanup_seconds": 3, "grace": 30}
     run = run_script("rank_failure.py", options, out, timeout=300)
     assert run.returncode == 0, run.output[-4000:]
     assert sorted(run.ranks) == [0, 1], run.output[-4000:]

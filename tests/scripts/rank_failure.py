@@ -2,11 +2,13 @@
 
 Run as ``python rank_failure.py '<json options>'``: ``phase`` ("fit" or "test") raises at its third batch on each rank
 of ``fail_on_ranks``; the other ranks go on into that batch's forward, whose ZeRO-3 all-gather waits for the failed
-rank. With ``catch``, each rank that gets an exception records it and writes ``rank<r>.json`` from its ``except``.
+rank. With ``catch``, each rank that gets an exception spends ``cleanup_seconds`` on its clean-up, then writes
+``rank<r>.json`` from its ``except`` block.
 """
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -61,6 +63,7 @@ def main(options: dict) -> None:
     except Exception as err:
         if not options["catch"]:
             raise
+        time.sleep(options.get("cleanup_seconds", 0))  # the user's clean-up: saving, uploading logs, ...
         record = {"rank": trainer.global_rank, "caught": f"{type(err).__name__}: {err}"[:400], "cleanup_done": True}
         (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
