@@ -1,10 +1,11 @@
 """Configs as Lightning's DeepSpeedStrategy reads them: the env-variable file, ``zero_optimization=False``, its
-exception class, activation-checkpointing settings. No process is launched."""
+exception class, activation-checkpointing settings. Only the last test launches a (single) process."""
 
 import json
 
 import lightning as L
 import pytest
+from conftest import run_script
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_hpz import HpzConfigurationError, HpzStrategy
@@ -102,3 +103,16 @@ def test_contiguous_checkpointing_without_partitioned_activations_is_refused():
     config = {"activation_checkpointing": {"number_checkpoints": 4}}
     with pytest.raises(HpzConfigurationError, match=r"needs partition_activations=True too"):
         HpzStrategy(contiguous_memory_optimization=True, config=config)
+
+
+def test_contiguous_checkpointing_settings_reach_deepspeed(tmp_path):
+    strategy = {
+        "partition_activations": True,
+        "contiguous_memory_optimization": True,
+        "synchronize_checkpoint_boundary": True,
+        "config": {"activation_checkpointing": {"number_checkpoints": 3}},
+    }
+    run = run_script("activation_checkpointing.py", {"strategy": strategy}, tmp_path / "out", timeout=180)
+    assert run.returncode == 0, run.output[-3000:]
+    expected = {"contiguous": True, "partition_activations": True, "layers": 3, "synchronize": True}
+    assert run.ranks[0] == {**expected, "cpu_checkpointing": False}
