@@ -35,6 +35,8 @@ def left_collectives_key(rank: int) -> str:
 
 def release_peers(children: Optional[list[subprocess.Popen]], grace_period: float) -> Optional[threading.Thread]:
     """Steps 1-3 above for this rank; returns the thread that watches this node's children, if there are any."""
+    if collectives.world_size() <= 1:
+        return None  # no peer to release: the process group stays usable (a notebook may call fit again)
     store = collectives.default_store()
     rank = collectives.rank()
     _mark_left(store, rank)
