@@ -5,11 +5,16 @@ timeout (30 minutes by default). Killing them all at once ends that, but also ki
 are running their own clean-up. Instead, a failing rank
 
 1. writes "I have left the collectives" into the process group's store, under its rank;
-2. aborts its process groups: peers blocked in a collective with it get an error at once (gloo closes the
-   connections), so they raise, reach this same handler, and run the user's ``except`` code;
+2. aborts its process groups: its collectives are out of step with its peers' now, so none may run any more. Where
+   that closes the connections (gloo, for a group nothing else still holds), a peer blocked in a collective with it
+   gets an error, raises, reaches this same handler and runs the user's ``except`` code;
 3. if it launched the other ranks of its node (Lightning's subprocess launcher), gives them ``grace_period`` seconds
-   to do the same, then kills only those that neither wrote their mark nor exited: ranks stuck where an abort cannot
-   reach them (an NCCL kernel waiting for a peer that will never come).
+   to do the same or exit, then kills only those that did neither: ranks stuck where no abort reaches them. Measured
+   on gloo: DeepSpeed keeps references to its process groups, so a peer waiting in an all-gather of one of them is
+   not released by the abort and ends here; an NCCL kernel waiting for a peer never is.
+
+Not covered: a failure on a rank that did not launch the others, caught there, while the launching rank is blocked
+under NCCL: that rank waits until the failed one exits (its observer then ends it) or for the NCCL timeout.
 """
 
 from __future__ import annotations

@@ -48,9 +48,9 @@ class HpzStrategy(DeepSpeedStrategy):
             secondary partition matches its primary partitions, and raise if not. Default True.
         exact_resume: make a resume from a mid-epoch checkpoint continue with the very batches the interrupted run
             would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader). Default True.
-        failure_grace_period: when the Trainer raises on a rank, that rank aborts its process groups so the others
-            leave their collectives with an error and can run their own ``except`` code; ranks of its node still
-            blocked this many seconds later (where an abort cannot reach them) are killed. Default 30.
+        failure_grace_period: when the Trainer raises on a rank, that rank aborts its process groups and every rank
+            runs its own ``except`` code; ranks of the launching node that neither reached their own error handling
+            nor exited this many seconds later are taken as blocked in a collective and killed. Default 30.
         config: a DeepSpeed config dict or JSON path (default: the file named by ``PL_DEEPSPEED_CONFIG_PATH``, as in
             Lightning), merged over the strategy's defaults (nested sections key by key); a value given both here and
             as one of the arguments above must agree.
@@ -240,7 +240,7 @@ class HpzStrategy(DeepSpeedStrategy):
     @override
     def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
         # Replaces Lightning's DeepSpeedStrategy._initialize_deepspeed_inference, which passes the device index (None
-        # on CPU) and builds an engine that DeepSpeed 0.19.8 cannot build for hpZ (see partitioning/hpz_groups.py).
+        # on CPU), and its engine cannot be built for hpZ by DeepSpeed 0.19.8 (see partitioning/inference_engine.py).
         import deepspeed
         from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 
@@ -275,7 +275,7 @@ class HpzStrategy(DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        # Peers would wait for this rank in their next collective until the timeout: let them leave it with an error.
+        # Peers would wait for this rank in their next collective until the timeout: release them (rank_failure.py).
         # The children of Lightning's subprocess launcher (its `procs`) still stuck after the grace period are killed.
         children = self.launcher.procs if isinstance(self.launcher, _SubprocessScriptLauncher) else None
         rank_failure.release_peers(children, self.failure_grace_period)
