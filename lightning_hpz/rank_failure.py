@@ -14,7 +14,8 @@ are running their own clean-up. Instead, a failing rank
    not released by the abort and ends here; an NCCL kernel waiting for a peer never is.
 
 Not covered: a failure on a rank that did not launch the others, caught there, while the launching rank is blocked
-under NCCL: that rank waits until the failed one exits (its observer then ends it) or for the NCCL timeout.
+under NCCL: it waits until the failed rank exits with an error (Lightning's child observer then ends it) or for
+the NCCL timeout.
 """
 
 from __future__ import annotations
