@@ -11,7 +11,7 @@ are running their own clean-up. Instead, a failing rank
 3. if it launched the other ranks of its node (Lightning's subprocess launcher), gives them ``grace_period`` seconds
    to do the same or exit, then kills only those that did neither: ranks stuck where no abort reaches them. Measured
    on gloo: DeepSpeed keeps references to its process groups, so a peer waiting in an all-gather of one of them is
-   not released by the abort and ends here; an NCCL kernel waiting for a peer never is.
+   not released by the abort and ends here, as does a rank in an NCCL kernel waiting for the failed peer.
 
 Not covered: a failure on a rank that did not launch the others, caught there, while the launching rank is blocked
 under NCCL: it waits until the failed rank exits with an error (Lightning's child observer then ends it) or for
