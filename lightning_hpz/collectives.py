@@ -93,3 +93,20 @@ def _with_object_device(call: Any, group: Optional[Any]) -> None:
             call()
     else:
         call()
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this process, so peers waiting in a collective with this rank get an error now
+    instead of at the timeout. No collective works in this process afterwards."""
+    if not is_distributed():
+        return
+    try:
+        # torch's private abort (documented for NCCL) closes gloo's connections too, so blocked peers raise
+        dist.distributed_c10d._abort_process_group()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        dist.destroy_process_group()
+
+
+def default_store() -> Optional[Any]:
+    """The key-value store the default process group was built on (it outlives an abort while referenced)."""
+    return dist.distributed_c10d._get_default_store() if is_distributed() else None

@@ -13,11 +13,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
 HpzSize = Union[int, str, None]
+# Lightning's DeepSpeedStrategy.DEEPSPEED_ENV_VAR: a config file used when no ``config=`` is given
+DEEPSPEED_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
 
 
-class HpzConfigurationError(ValueError):
-    """A strategy setting that cannot work, with the fix in the message."""
+class HpzConfigurationError(MisconfigurationException, ValueError):
+    """A strategy setting that cannot work, with the fix in the message.
+
+    A ``MisconfigurationException``, as Lightning's DeepSpeedStrategy raises for the same mistakes, and a
+    ``ValueError``.
+    """
 
 
 @dataclass(frozen=True)
@@ -40,8 +49,19 @@ ZERO_KEYS = {
 DEFAULTS = {"stage": 3, "hpz_partition_size": "auto", "quantized_weights": False, "quantized_gradients": False}
 
 
-def load_user_config(config: Union[dict[str, Any], str, os.PathLike, None]) -> dict[str, Any]:
-    """Read ``config=`` (a dict or a path to a JSON file) into a fresh dict."""
+def user_config_source(config: Union[dict[str, Any], str, os.PathLike, None]) -> tuple[Any, str]:
+    """``config=`` if given, else the file named by ``PL_DEEPSPEED_CONFIG_PATH`` (as Lightning chooses), and its name.
+
+    Either is then read the same way: merged over the strategy's defaults, its ZeRO stage respected.
+    """
+    if config is None and os.environ.get(DEEPSPEED_ENV_VAR):
+        rank_zero_info(f"Loading the DeepSpeed config from {DEEPSPEED_ENV_VAR}={os.environ[DEEPSPEED_ENV_VAR]}")
+        return os.environ[DEEPSPEED_ENV_VAR], DEEPSPEED_ENV_VAR
+    return config, "config"
+
+
+def load_user_config(config: Union[dict[str, Any], str, os.PathLike, None], name: str = "config") -> dict[str, Any]:
+    """Read ``config`` (a dict or a path to a JSON file) into a fresh dict; ``name`` says where it came from."""
     if config is None:
         return {}
     if isinstance(config, dict):
@@ -49,18 +69,18 @@ def load_user_config(config: Union[dict[str, Any], str, os.PathLike, None]) -> d
     path = Path(config)
     if not path.is_file():
         raise HpzConfigurationError(
-            f"config={str(config)!r}: no such file. Pass the path of a DeepSpeed JSON config, or a dict."
+            f"{name}={str(config)!r}: no such file. Pass the path of a DeepSpeed JSON config, or a dict."
         )
     try:
         loaded = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise HpzConfigurationError(
-            f"config={str(config)!r} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}). "
+            f"{name}={str(config)!r} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}). "
             "Fix the file, or pass the settings as a dict."
         ) from err
     if not isinstance(loaded, dict):
         raise HpzConfigurationError(
-            f"config={str(config)!r} holds a {type(loaded).__name__}; it must be a JSON object."
+            f"{name}={str(config)!r} holds a {type(loaded).__name__}; it must be a JSON object."
         )
     return loaded
 
@@ -76,9 +96,17 @@ def merge_configs(defaults: dict[str, Any], override: dict[str, Any]) -> dict[st
     return merged
 
 
-def resolve_zero_settings(kwargs: dict[str, Any], user_config: dict[str, Any]) -> ZeroPlusPlusSettings:
-    """Combine explicit kwargs (``None`` = not given) with ``config=``; refuse where both give different values."""
+def resolve_zero_settings(
+    kwargs: dict[str, Any], user_config: dict[str, Any], zero_optimization: bool = True
+) -> ZeroPlusPlusSettings:
+    """Combine explicit kwargs (``None`` = not given) with ``config=``; refuse where both give different values.
+
+    ``zero_optimization=False`` turns ZeRO off, as in Lightning's DeepSpeedStrategy (stage 0: plain data parallel).
+    """
     zero_section = user_config.get("zero_optimization") or {}
+    if not zero_optimization:
+        _refuse_stage_without_zero(kwargs.get("stage"), zero_section.get("stage"))
+        kwargs = {**kwargs, "stage": 0}
     resolved = {}
     for name, key in ZERO_KEYS.items():
         given, configured = kwargs.get(name), zero_section.get(key)
@@ -91,10 +119,21 @@ def resolve_zero_settings(kwargs: dict[str, Any], user_config: dict[str, Any]) -
     return ZeroPlusPlusSettings(**resolved)
 
 
+def _refuse_stage_without_zero(given: Any, configured: Any) -> None:
+    for where, stage in (("stage", given), ("zero_optimization.stage in config=", configured)):
+        if stage not in (None, 0):
+            raise HpzConfigurationError(
+                f"zero_optimization=False turns ZeRO off, but {where}={stage!r} asks for ZeRO stage {stage}. "
+                "Remove one of the two."
+            )
+
+
 def validate_settings(settings: ZeroPlusPlusSettings) -> None:
     """Checks that need no knowledge of the cluster."""
-    if settings.stage not in (1, 2, 3):
-        raise HpzConfigurationError(f"stage={settings.stage!r} is not a ZeRO stage; use 1, 2 or 3.")
+    if settings.stage not in (0, 1, 2, 3):
+        raise HpzConfigurationError(
+            f"stage={settings.stage!r} is not a ZeRO stage; use 1, 2 or 3 (0 or zero_optimization=False: ZeRO off)."
+        )
     size = settings.hpz_partition_size
     if isinstance(size, str) and size != "auto":
         raise HpzConfigurationError(f"hpz_partition_size={size!r}: give a positive int, or 'auto' (devices per node).")
@@ -139,6 +178,26 @@ def validate_layout(partition_size: int, devices_per_node: int, num_nodes: int) 
             f"hpz_partition_size={partition_size} is not a divisor of the {devices_per_node} devices per node, so a "
             "secondary group would span two nodes and its gathers would cross the slow link. "
             f"Use a divisor of {devices_per_node}."
+        )
+
+
+def validate_activation_checkpointing(config: dict[str, Any]) -> None:
+    """DeepSpeed asserts on these only when the first model is set up; refuse them while the strategy is built."""
+    section = config.get("activation_checkpointing") or {}
+    if not section.get("contiguous_memory_optimization"):
+        return
+    if not section.get("partition_activations"):
+        raise HpzConfigurationError(
+            "contiguous_memory_optimization=True copies partitioned activations into one buffer, so it needs "
+            "partition_activations=True too. Set partition_activations=True, or contiguous_memory_optimization=False."
+        )
+    layers = section.get("number_checkpoints")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise HpzConfigurationError(
+            "contiguous_memory_optimization=True sizes its buffer by the number of checkpointed layers, but "
+            f"activation_checkpointing.number_checkpoints is {layers!r}. Pass "
+            "config={'activation_checkpointing': {'number_checkpoints': <checkpointed layers>}}, "
+            "or set contiguous_memory_optimization=False."
         )
 
 

@@ -14,13 +14,13 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hpz import config as cfg
-from lightning_hpz import partitioning
+from lightning_hpz import partitioning, rank_failure
+from lightning_hpz.inference import inference_config
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.resumable_loader import ResumableLoader
 
@@ -48,8 +48,12 @@ class HpzStrategy(DeepSpeedStrategy):
             secondary partition matches its primary partitions, and raise if not. Default True.
         exact_resume: make a resume from a mid-epoch checkpoint continue with the very batches the interrupted run
             would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader). Default True.
-        config: a DeepSpeed config dict or JSON path, merged over the strategy's defaults (nested sections key by
-            key); a value given both here and as one of the arguments above must agree.
+        failure_grace_period: when the Trainer raises on a rank, that rank aborts its process groups and every rank
+            runs its own ``except`` code; ranks of the launching node that neither reached their own error handling
+            nor exited this many seconds later are taken as blocked in a collective and killed. Default 30.
+        config: a DeepSpeed config dict or JSON path (default: the file named by ``PL_DEEPSPEED_CONFIG_PATH``, as in
+            Lightning), merged over the strategy's defaults (nested sections key by key); a value given both here and
+            as one of the arguments above must agree.
         **kwargs: every other :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` argument (offload, buckets,
             activation checkpointing, ``logging_level``, ``timeout``, ...).
     """
@@ -66,33 +70,59 @@ class HpzStrategy(DeepSpeedStrategy):
         emulate_async_copy: Optional[bool] = None,
         verify_after_load: bool = True,
         exact_resume: bool = True,
+        failure_grace_period: float = rank_failure.DEFAULT_GRACE_PERIOD_S,
         config: Union[dict[str, Any], str, Path, None] = None,
         **kwargs: Any,
     ) -> None:
         if hpz_sync not in SYNC_MODES:
             raise cfg.HpzConfigurationError(f"hpz_sync={hpz_sync!r} is not a mode; choose one of {SYNC_MODES}.")
-        user_config = cfg.load_user_config(config)
+        user_config = cfg.load_user_config(*cfg.user_config_source(config))
         explicit = dict(
             stage=stage,
             hpz_partition_size=hpz_partition_size,
             quantized_weights=quantized_weights,
             quantized_gradients=quantized_gradients,
         )
-        self.zero_settings = cfg.resolve_zero_settings(explicit, user_config)
+        self.zero_settings = cfg.resolve_zero_settings(explicit, user_config, kwargs.get("zero_optimization", True))
         cfg.validate_settings(self.zero_settings)
         super().__init__(stage=self.zero_settings.stage, config=None, **kwargs)
         self.config = cfg.merge_configs(self.config, user_config)
+        cfg.validate_activation_checkpointing(self.config)
         self.hpz_sync = hpz_sync
         self.emulate_async_copy = (
             partitioning.emulation_requested() if emulate_async_copy is None else emulate_async_copy
         )
         self.verify_after_load = verify_after_load
         self.exact_resume = exact_resume
+        self.failure_grace_period = failure_grace_period
         self.hpz_partition_size: Optional[int] = None  # resolved once the cluster layout is known
         self.copy_ordering: Optional[partitioning.CopyOrdering] = None
         self._verify_at_next_step = False
         self.secondary_checks_run = 0
         self._load_hook_module: Optional[torch.nn.Module] = None
+
+    @override
+    def _load_config(self, config: Any) -> None:
+        # Lightning's DeepSpeedStrategy.__init__ replaces its defaults by what this returns (config= or the
+        # PL_DEEPSPEED_CONFIG_PATH file); this strategy merges that config over the defaults itself, in __init__.
+        return None
+
+    @override
+    def _set_deepspeed_activation_checkpointing(self) -> None:
+        # Lightning's version leaves out the layer count and the boundary sync: contiguous checkpointing then fails.
+        import deepspeed
+
+        section = self.config.get("activation_checkpointing")
+        if section:
+            deepspeed.checkpointing.configure(
+                mpu_=None,
+                partition_activations=section.get("partition_activations"),
+                contiguous_checkpointing=section.get("contiguous_memory_optimization"),
+                num_checkpoints=section.get("number_checkpoints"),
+                checkpoint_in_cpu=section.get("cpu_checkpointing"),
+                synchronize=section.get("synchronize_checkpoint_boundary"),
+                profile=section.get("profile"),
+            )
 
     # ----------------------------------------------------------------------------------------------- layout
     @property
@@ -118,7 +148,8 @@ class HpzStrategy(DeepSpeedStrategy):
                 "Use accelerator='cpu', or unset LIGHTNING_HPZ_EMULATE_ASYNC_COPY."
             )
         self.hpz_partition_size = size
-        self.config.setdefault("zero_optimization", {}).update(cfg.zero_section(settings, size))
+        if settings.stage:  # stage 0 (zero_optimization=False) keeps ZeRO off, as in Lightning
+            self.config.setdefault("zero_optimization", {}).update(cfg.zero_section(settings, size))
         if settings.hpz_partition_size == "auto":
             rank_zero_info(how)
 
@@ -190,10 +221,8 @@ class HpzStrategy(DeepSpeedStrategy):
     ) -> tuple[Any, Any]:
         import deepspeed
 
-        # DeepSpeed compares the device rank with 0; a CPU device has no index, so the local rank stands in.
-        device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=device_rank),
+            args=argparse.Namespace(device_rank=self._deepspeed_device_rank),
             config=self.config,
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -202,6 +231,31 @@ class HpzStrategy(DeepSpeedStrategy):
             dist_init_required=False,
         )
         return engine, deepspeed_optimizer
+
+    @property
+    def _deepspeed_device_rank(self) -> int:
+        # DeepSpeed compares the device rank with 0; a CPU device has no index, so the local rank stands in.
+        return self.root_device.index if self.root_device.index is not None else self.local_rank
+
+    @override
+    def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
+        # Replaces Lightning's DeepSpeedStrategy._initialize_deepspeed_inference, which passes the device index (None
+        # on CPU), and its engine cannot be built for hpZ by DeepSpeed 0.19.8 (see partitioning/inference_engine.py).
+        import deepspeed
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        if self.zero_stage_3:
+            partitioning.ensure_hpz_groups(self.hpz_partition_size or 1)
+        remove_module_hooks(model)  # as Lightning does: the engine registers its own hooks
+        self.model, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._deepspeed_device_rank),
+            config=inference_config(self.config),
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -221,10 +275,10 @@ class HpzStrategy(DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        # Lightning's launcher only reaps its children when one of them fails; a failure on rank 0 would leave them
-        # blocked in a collective until the process-group timeout. End them now.
-        if isinstance(self.launcher, _SubprocessScriptLauncher) and getattr(self.launcher, "procs", None):
-            self.launcher.kill(_get_sigkill_signal())
+        # Peers would wait for this rank in their next collective until the timeout: release them (rank_failure.py).
+        # The children of Lightning's subprocess launcher (its `procs`) still stuck after the grace period are killed.
+        children = self.launcher.procs if isinstance(self.launcher, _SubprocessScriptLauncher) else None
+        rank_failure.release_peers(children, self.failure_grace_period)
 
     # ----------------------------------------------------------------------------------------------- secondaries
     def refresh_secondary_partitions(self) -> int:
@@ -254,7 +308,8 @@ class HpzStrategy(DeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        with partitioning.optimizer_less_checkpoint_load(self.model):
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         self._after_weights_changed()
         return checkpoint
 

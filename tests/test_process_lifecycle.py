@@ -32,7 +32,8 @@ def test_example_project_exits_cleanly_on_every_rank_under_torchrun(tmp_path):
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_failure_on_one_rank_ends_all_ranks(tmp_path, failing_rank):
     out = tmp_path / f"fail{failing_rank}"
-    options = {"steps": 20, "devices": 2, "fail_on_rank": failing_rank, "strategy": {"hpz_partition_size": 2}}
+    strategy = {"hpz_partition_size": 2, "failure_grace_period": 5}
+    options = {"steps": 20, "devices": 2, "fail_on_rank": failing_rank, "strategy": strategy}
     # without the strategy's clean-up the surviving ranks would wait in a collective for the 30-minute timeout
     run = run_script("toy_training.py", options, out, timeout=240)
     assert run.returncode != 0

@@ -2,6 +2,7 @@
 
 from lightning_hpz.partitioning.deepspeed_patch import IncompatibleDeepSpeedError, install, uninstall
 from lightning_hpz.partitioning.emulation import EMULATION_ENV_VAR, emulation_requested
+from lightning_hpz.partitioning.inference_engine import ensure_hpz_groups, optimizer_less_checkpoint_load
 from lightning_hpz.partitioning.ordering import SYNC_MODES, CopyOrdering
 from lightning_hpz.partitioning.secondary_partitions import (
     SecondaryCheckReport,
@@ -21,7 +22,9 @@ __all__ = [
     "check_secondary_partitions",
     "count_secondary_partitions",
     "emulation_requested",
+    "ensure_hpz_groups",
     "install",
+    "optimizer_less_checkpoint_load",
     "refresh_secondary_partitions",
     "uninstall",
 ]
