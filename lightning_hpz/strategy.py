@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hpz import config as cfg
-from lightning_hpz import partitioning
+from lightning_hpz import epoch_end_checkpoint, partitioning
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.resumable_loader import ResumableLoader
 
@@ -255,6 +255,8 @@ class HpzStrategy(DeepSpeedStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        # Lightning's loops would replay an epoch-end checkpoint as a finished epoch plus one batch (see the module).
+        epoch_end_checkpoint.complete_epoch_saved_at_epoch_end(checkpoint)
         self._after_weights_changed()
         return checkpoint
 
