@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hpz import config as cfg
-from lightning_hpz import epoch_end_checkpoint, partitioning
+from lightning_hpz import data_order, epoch_end_checkpoint, partitioning
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.resumable_loader import ResumableLoader
 
@@ -93,6 +93,7 @@ class HpzStrategy(DeepSpeedStrategy):
         self._verify_at_next_step = False
         self.secondary_checks_run = 0
         self._load_hook_module: Optional[torch.nn.Module] = None
+        self._resumed_data_order: Optional[dict[str, Any]] = None  # set by a checkpoint load, checked on the data
 
     # ----------------------------------------------------------------------------------------------- layout
     @property
@@ -207,16 +208,22 @@ class HpzStrategy(DeepSpeedStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if (
-            not self.exact_resume
-            or trainer is None
-            or trainer.state.fn != TrainerFn.FITTING
-            or isinstance(dataloader, _Stateful)
-            or not hasattr(dataloader, "__len__")
-        ):
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or isinstance(dataloader, _Stateful):
+            return dataloader
+        if trainer.training:
+            # Lightning creates the iterator before it sets the epoch being resumed (`_FitLoop.setup_data`, then
+            # `on_advance_start`): a loader that draws its order at once (workers, a skip) would use epoch 0's.
+            data_order.set_epoch_before_iteration(dataloader, trainer.fit_loop.epoch_progress.current.processed)
+            self._check_resumed_data_order(dataloader)
+        if not self.exact_resume or not hasattr(dataloader, "__len__"):
             return dataloader
         progress = trainer.fit_loop.epoch_loop.batch_progress
         return ResumableLoader(dataloader, batches_consumed=lambda: progress.current.processed)
+
+    def _check_resumed_data_order(self, dataloader: Any) -> None:
+        if self._resumed_data_order is not None:
+            saved, self._resumed_data_order = self._resumed_data_order, None
+            data_order.check_resumed_order(saved, dataloader, exact=self.exact_resume)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -257,6 +264,7 @@ class HpzStrategy(DeepSpeedStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         # Lightning's loops would replay an epoch-end checkpoint as a finished epoch plus one batch (see the module).
         epoch_end_checkpoint.complete_epoch_saved_at_epoch_end(checkpoint)
+        self._resumed_data_order = data_order.saved_order(checkpoint)
         self._after_weights_changed()
         return checkpoint
 
