@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hpz import config as cfg
-from lightning_hpz import data_order, epoch_end_checkpoint, partitioning
+from lightning_hpz import data_order, epoch_end_checkpoint, partitioning, random_layers
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.resumable_loader import ResumableLoader
 
@@ -265,6 +265,8 @@ class HpzStrategy(DeepSpeedStrategy):
         # Lightning's loops would replay an epoch-end checkpoint as a finished epoch plus one batch (see the module).
         epoch_end_checkpoint.complete_epoch_saved_at_epoch_end(checkpoint)
         self._resumed_data_order = data_order.saved_order(checkpoint)
+        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            random_layers.warn_if_resume_draws_random_numbers(self.lightning_module)
         self._after_weights_changed()
         return checkpoint
 

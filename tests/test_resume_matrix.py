@@ -119,3 +119,16 @@ def test_issue_reproduction_resumes_exactly_from_epoch_end(module_tmp):
     options = {"devices": 4, "samples": 256, "batch_size": 8, "strategy": {}}  # {}: what strategy="hpz" builds
     full, resumed = _launch_pair(module_tmp / "issue", options, [cell])
     _assert_resumed_exactly(full, resumed, cell, ranks=4)
+
+
+def test_resume_with_an_unrepeatable_order_is_refused(matrix_runs, module_tmp):
+    """``use_distributed_sampler=False`` + ``shuffle=True``: a RandomSampler, whose order no checkpoint restores."""
+    matrix_runs("stage2")  # its checkpoints
+    cell = _cell(*CELLS[3])  # the MLP, stage 2
+    cell["resume_from"] = _checkpoint_path(module_tmp / "stage2" / "full", cell)
+    options = {**MATRIX, "strategy": STRATEGIES["stage2"], "shuffle": True, "use_distributed_sampler": False}
+    refused = run_script("resume_matrix.py", {**options, "cells": [cell]}, module_tmp / "refused", timeout=300)
+    assert refused.returncode != 0 and not refused.ranks
+    assert "DataOrderError: Cannot resume exactly: the training DataLoader shuffles with a RandomSampler" in (
+        refused.output
+    )

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from lightning_hpz.data_order import DataOrderError, check_resumed_order, order_record, saved_order
 from lightning_hpz.epoch_end_checkpoint import complete_epoch_saved_at_epoch_end
+from lightning_hpz.random_layers import active_dropout_layers, warn_if_resume_draws_random_numbers
 
 
 class LoopStates(L.Callback):
@@ -122,3 +123,13 @@ def test_order_record_is_read_back_from_the_loop_state():
     checkpoint = {"loops": {"fit_loop": {"state_dict": {"combined_loader": loader_states}}}}
     assert saved_order(checkpoint) == record
     assert saved_order({"loops": {"fit_loop": {"state_dict": {}}}}) == {}
+
+
+def test_dropout_is_named_in_a_resume_warning(recwarn):
+    from lightning.pytorch.demos import Transformer
+
+    assert active_dropout_layers(Transformer(vocab_size=8, ninp=8, nhead=2, nhid=8, nlayers=1, dropout=0.0)) == []
+    model = Transformer(vocab_size=8, ninp=8, nhead=2, nhid=8, nlayers=1, dropout=0.1)
+    assert "pos_encoder.dropout" in active_dropout_layers(model)
+    with pytest.warns(UserWarning, match=r"cannot continue exactly: \d+ dropout layer\(s\) \(pos_encoder.dropout"):
+        warn_if_resume_draws_random_numbers(model)
