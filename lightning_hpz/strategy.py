@@ -47,7 +47,8 @@ class HpzStrategy(DeepSpeedStrategy):
         verify_after_load: after loading a checkpoint or a state dict, check at the next training step that every
             secondary partition matches its primary partitions, and raise if not. Default True.
         exact_resume: make a resume from a mid-epoch checkpoint continue with the very batches the interrupted run
-            would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader). Default True.
+            would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader), and refuse a resume
+            whose data order cannot repeat (``DataOrderError``; False: a warning). Default True.
         config: a DeepSpeed config dict or JSON path, merged over the strategy's defaults (nested sections key by
             key); a value given both here and as one of the arguments above must agree.
         **kwargs: every other :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` argument (offload, buckets,
