@@ -24,8 +24,10 @@ class DataOrderError(RuntimeError):
 def order_sampler(loader: Any) -> Any:
     """The sampler that decides the order of a dataloader's samples (under a batch sampler, if any)."""
     batch_sampler = getattr(loader, "batch_sampler", None)
-    sampler = getattr(batch_sampler, "sampler", None) or getattr(loader, "sampler", None) or batch_sampler
-    return sampler
+    for sampler in (getattr(batch_sampler, "sampler", None), getattr(loader, "sampler", None)):
+        if sampler is not None:  # not `or`: an empty sampler is falsy
+            return sampler
+    return batch_sampler
 
 
 def order_record(loader: Any) -> dict[str, Any]:
