@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from lightning_hpz.data_order import order_record
+
 
 class ResumableLoader:
     """Wraps a dataloader; its state is how many batches of the current epoch training has consumed.
@@ -40,10 +42,11 @@ class ResumableLoader:
             next(iterator, None)
         return iterator
 
-    def state_dict(self) -> dict[str, int]:
-        return {"batches_consumed": int(self._batches_consumed())}
+    def state_dict(self) -> dict[str, Any]:
+        # the order record lets a resume check that its sampler repeats this run's order (lightning_hpz.data_order)
+        return {"batches_consumed": int(self._batches_consumed()), "order": order_record(self.loader)}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         consumed = int(state.get("batches_consumed", 0))
         # A checkpoint taken after an epoch's last batch resumes at the start of the next epoch.
         self._skip_next_epoch_start = consumed if consumed < len(self.loader) else 0

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hpz import config as cfg
-from lightning_hpz import partitioning, rank_failure
+from lightning_hpz import data_order, epoch_end_checkpoint, partitioning, random_layers, rank_failure
 from lightning_hpz.inference import inference_config
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.resumable_loader import ResumableLoader
@@ -47,7 +47,8 @@ class HpzStrategy(DeepSpeedStrategy):
         verify_after_load: after loading a checkpoint or a state dict, check at the next training step that every
             secondary partition matches its primary partitions, and raise if not. Default True.
         exact_resume: make a resume from a mid-epoch checkpoint continue with the very batches the interrupted run
-            would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader). Default True.
+            would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader), and refuse a resume
+            whose data order cannot repeat (``DataOrderError``; False: a warning). Default True.
         failure_grace_period: when the Trainer raises on a rank, that rank aborts its process groups and every rank
             runs its own ``except`` code; ranks of the launching node that neither reached their own error handling
             nor exited this many seconds later are taken as blocked in a collective and killed. Default 30.
@@ -100,6 +101,7 @@ class HpzStrategy(DeepSpeedStrategy):
         self._verify_at_next_step = False
         self.secondary_checks_run = 0
         self._load_hook_module: Optional[torch.nn.Module] = None
+        self._resumed_data_order: Optional[dict[str, Any]] = None  # set by a checkpoint load, checked on the data
 
     @override
     def _load_config(self, config: Any) -> None:
@@ -261,16 +263,22 @@ class HpzStrategy(DeepSpeedStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if (
-            not self.exact_resume
-            or trainer is None
-            or trainer.state.fn != TrainerFn.FITTING
-            or isinstance(dataloader, _Stateful)
-            or not hasattr(dataloader, "__len__")
-        ):
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or isinstance(dataloader, _Stateful):
+            return dataloader
+        if trainer.training:
+            # Lightning creates the iterator before it sets the epoch being resumed (`_FitLoop.setup_data`, then
+            # `on_advance_start`): a loader that draws its order at once (workers, a skip) would use epoch 0's.
+            data_order.set_epoch_before_iteration(dataloader, trainer.fit_loop.epoch_progress.current.processed)
+            self._check_resumed_data_order(dataloader)
+        if not self.exact_resume or not hasattr(dataloader, "__len__"):
             return dataloader
         progress = trainer.fit_loop.epoch_loop.batch_progress
         return ResumableLoader(dataloader, batches_consumed=lambda: progress.current.processed)
+
+    def _check_resumed_data_order(self, dataloader: Any) -> None:
+        if self._resumed_data_order is not None:
+            saved, self._resumed_data_order = self._resumed_data_order, None
+            data_order.check_resumed_order(saved, dataloader, exact=self.exact_resume)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -310,6 +318,11 @@ class HpzStrategy(DeepSpeedStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         with partitioning.optimizer_less_checkpoint_load(self.model):
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        # Lightning's loops would replay an epoch-end checkpoint as a finished epoch plus one batch (see the module).
+        epoch_end_checkpoint.complete_epoch_saved_at_epoch_end(checkpoint)
+        self._resumed_data_order = data_order.saved_order(checkpoint)
+        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            random_layers.warn_if_resume_draws_random_numbers(self.lightning_module)
         self._after_weights_changed()
         return checkpoint
 
