@@ -17,26 +17,19 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lightning_hpz
+from lightning_hpz.models import get_preset
 from lightning_hpz.partitioning import count_secondary_partitions
 
-VOCAB, BATCH, SEQUENCE = 64, 4, 12
-# Not one of lightning_hpz's models: a plain transformers Llama, with grouped-query attention as in Llama-2-70B.
-LLAMA = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=SEQUENCE,
-    tie_word_embeddings=False,
-)
+# The llama2-tiny preset is only a config: the model is a plain transformers Llama (grouped-query attention, as in
+# Llama-2-70B), not one of lightning_hpz's LightningModules.
+LLAMA = get_preset("llama2-tiny").config
+BATCH, SEQUENCE = 4, 12
 
 
 def batch_for(step: int, rank: int) -> torch.Tensor:
     """The same batch for a given step and rank in every run, whatever came before (so a resumed run sees it too)."""
     generator = torch.Generator().manual_seed(10_000 * step + rank)
-    return torch.randint(VOCAB, (BATCH, SEQUENCE), generator=generator)
+    return torch.randint(LLAMA["vocab_size"], (BATCH, SEQUENCE), generator=generator)
 
 
 def build(fabric: L.Fabric) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
