@@ -12,7 +12,7 @@ import pytest
 from conftest import REGATHER_EVERY_MODULE, assert_succeeded, run_script
 
 pytestmark = pytest.mark.multiprocess
-STEPS, SAVE_AT, CHECK_EVERY = 20, 10, 5
+STEPS, SAVE_AT, CHECK_EVERY, REFRESH_AT = 20, 10, 5, 3
 
 
 def _train(module_tmp, name: str, strategy: dict, **options):
@@ -36,7 +36,7 @@ def plain_zero3(module_tmp):
 @pytest.fixture(scope="module")
 def event_ordered(module_tmp):
     strategy = {"hpz_partition_size": 2, "hpz_sync": "event", "emulate_async_copy": True}
-    return _train(module_tmp, "event", strategy, save_at=SAVE_AT, check_every=CHECK_EVERY)
+    return _train(module_tmp, "event", strategy, save_at=SAVE_AT, check_every=CHECK_EVERY, refresh_at=REFRESH_AT)
 
 
 def test_hpz2_with_event_ordering_matches_hpz1_exactly(plain_zero3, event_ordered):
@@ -76,6 +76,14 @@ def test_secondaries_checked_from_the_loop_and_after_load(event_ordered):
     assert all(checked > 0 for _, checked in record["explicit_checks"])
     # plus the one verify_after_load runs at the first backward after fabric.load
     assert record["secondary_checks_run"] == len(checked_steps) + 1
+
+
+def test_refresh_from_the_loop_drops_every_secondary(event_ordered):
+    # dropped between forward and backward at REFRESH_AT; the losses stayed exact (test above)
+    for rank in range(4):
+        record = event_ordered.ranks[rank]
+        assert record["refreshed"] == [[REFRESH_AT, record["secondaries_seen"][REFRESH_AT]]]
+        assert record["refreshed"][0][1] > 0
 
 
 def test_init_module_builds_the_model_sharded(event_ordered):

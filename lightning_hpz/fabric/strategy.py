@@ -28,6 +28,9 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     it undoes what setup installed in DeepSpeed.
     """
 
+    # Fabric internals relied on (lightning/fabric/strategies/deepspeed.py, connector.py; Lightning 2.6): the connector
+    # calls `_configure_launcher` before launch; `_setup_distributed`, `_init_deepspeed_distributed`,
+    # `_initialize_engine`, `_format_config`/`_config_initialized` and `_deepspeed_engine` are overridden or read.
     _lightning_deepspeed_strategy = DeepSpeedStrategy
 
     @override

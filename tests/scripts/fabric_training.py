@@ -54,6 +54,9 @@ def train(fabric: L.Fabric, model, optimizer, steps: range, options: dict, recor
             # between forward and backward: the secondaries the backward gathers will read exist now
             report = fabric.strategy.check_secondary_partitions()
             record["explicit_checks"].append([step, report.checked])
+        if step == options.get("refresh_at"):
+            # as after writing sharded weights by hand: drop the secondaries, backward gathers from the primaries
+            record["refreshed"].append([step, fabric.strategy.refresh_secondary_partitions()])
         fabric.backward(loss, model=model)  # the model argument: the resumed run is a second model
         optimizer.step()
         optimizer.zero_grad()
@@ -68,7 +71,7 @@ def main(options: dict) -> None:
     fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=4)
     fabric.launch()
     fabric.seed_everything(0)
-    record: dict = {"losses": {}, "resumed_losses": {}, "secondaries_seen": [], "explicit_checks": []}
+    record: dict = {"losses": {}, "resumed_losses": {}, "secondaries_seen": [], "explicit_checks": [], "refreshed": []}
     model, optimizer, record["shards"] = build(fabric)
     train(fabric, model, optimizer, range(options["steps"]), options, record)
     if options.get("save_at"):
