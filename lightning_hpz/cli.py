@@ -74,7 +74,7 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
 
 def print_strategies(argv: Sequence[str] = ()) -> None:
     """Print each strategy name lightning_hpz registers, with its description."""
-    from lightning_hpz.strategy import STRATEGY_PRESETS
+    from lightning_hpz.hpz_setup import STRATEGY_PRESETS
 
     width = max(len(name) for name, _, _ in STRATEGY_PRESETS)
     for name, description, _ in STRATEGY_PRESETS:

@@ -4,187 +4,55 @@ from __future__ import annotations
 
 import argparse
 import logging
-import warnings
-from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.types import _Stateful
-from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
-from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_hpz import config as cfg
 from lightning_hpz import data_order, epoch_end_checkpoint, partitioning, random_layers, rank_failure
+from lightning_hpz.hpz_setup import HpzSetup
 from lightning_hpz.inference import inference_config
-from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.resumable_loader import ResumableLoader
 
 log = logging.getLogger(__name__)
 
 
-class HpzStrategy(DeepSpeedStrategy):
+class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     """ZeRO stages 1-3 with stabilized hierarchical partitioning (hpZ), registered as ``strategy="hpz"``.
 
+    Takes every argument of :class:`~lightning_hpz.hpz_setup.HpzSetup` (``stage``, ``hpz_partition_size``,
+    ``quantized_weights``, ``quantized_gradients``, ``hpz_sync``, ``emulate_async_copy``, ``verify_after_load``,
+    ``config``) and of Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, plus:
+
     Args:
-        stage: ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters. Default 3.
-        hpz_partition_size: ranks a parameter's secondary copy is sharded over after forward, so that the backward
-            all-gather stays inside a node. ``"auto"`` (default) uses the devices per node on a multi-node run and
-            turns hpZ off (1) on a single node. Must divide the devices per node. Stage 3 only.
-        quantized_weights: qwZ, int8 forward all-gather of weights. CUDA only (DeepSpeed has no CPU kernels).
-        quantized_gradients: qgZ, quantized hierarchical gradient reduction. CUDA only.
-        hpz_sync: how a secondary-partition copy is ordered before the all-gather that reads it. ``"event"``
-            (default): the gathering stream waits on an event recorded after the copy, no host stall.
-            ``"stream"``: the host synchronizes the compute stream after each copy (DeepSpeed PR #5216).
-            ``"none"``: nothing, the racy pre-fix order; only to reproduce arXiv 2407.01614.
-        emulate_async_copy: CPU only: make secondary copies land late, with poisoned memory until something orders
-            after them, to reproduce the race without a GPU. Default: the ``LIGHTNING_HPZ_EMULATE_ASYNC_COPY``
-            environment variable.
-        verify_after_load: after loading a checkpoint or a state dict, check at the next training step that every
-            secondary partition matches its primary partitions, and raise if not. Default True.
         exact_resume: make a resume from a mid-epoch checkpoint continue with the very batches the interrupted run
             would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader), and refuse a resume
             whose data order cannot repeat (``DataOrderError``; False: a warning). Default True.
         failure_grace_period: when the Trainer raises on a rank, that rank aborts its process groups and every rank
             runs its own ``except`` code; ranks of the launching node that neither reached their own error handling
             nor exited this many seconds later are taken as blocked in a collective and killed. Default 30.
-        config: a DeepSpeed config dict or JSON path (default: the file named by ``PL_DEEPSPEED_CONFIG_PATH``, as in
-            Lightning), merged over the strategy's defaults (nested sections key by key); a value given both here and
-            as one of the arguments above must agree.
-        **kwargs: every other :class:`~lightning.pytorch.strategies.DeepSpeedStrategy` argument (offload, buckets,
-            activation checkpointing, ``logging_level``, ``timeout``, ...).
     """
 
     strategy_name = "hpz"
+    _lightning_deepspeed_strategy = DeepSpeedStrategy
 
     def __init__(
         self,
-        stage: Optional[int] = None,
-        hpz_partition_size: Union[int, str, None] = None,
-        quantized_weights: Optional[bool] = None,
-        quantized_gradients: Optional[bool] = None,
-        hpz_sync: str = "event",
-        emulate_async_copy: Optional[bool] = None,
-        verify_after_load: bool = True,
+        *,
         exact_resume: bool = True,
         failure_grace_period: float = rank_failure.DEFAULT_GRACE_PERIOD_S,
-        config: Union[dict[str, Any], str, Path, None] = None,
         **kwargs: Any,
     ) -> None:
-        if hpz_sync not in SYNC_MODES:
-            raise cfg.HpzConfigurationError(f"hpz_sync={hpz_sync!r} is not a mode; choose one of {SYNC_MODES}.")
-        user_config = cfg.load_user_config(*cfg.user_config_source(config))
-        explicit = dict(
-            stage=stage,
-            hpz_partition_size=hpz_partition_size,
-            quantized_weights=quantized_weights,
-            quantized_gradients=quantized_gradients,
-        )
-        self.zero_settings = cfg.resolve_zero_settings(explicit, user_config, kwargs.get("zero_optimization", True))
-        cfg.validate_settings(self.zero_settings)
-        super().__init__(stage=self.zero_settings.stage, config=None, **kwargs)
-        self.config = cfg.merge_configs(self.config, user_config)
-        cfg.validate_activation_checkpointing(self.config)
-        self.hpz_sync = hpz_sync
-        self.emulate_async_copy = (
-            partitioning.emulation_requested() if emulate_async_copy is None else emulate_async_copy
-        )
-        self.verify_after_load = verify_after_load
+        super().__init__(**kwargs)
         self.exact_resume = exact_resume
         self.failure_grace_period = failure_grace_period
-        self.hpz_partition_size: Optional[int] = None  # resolved once the cluster layout is known
-        self.copy_ordering: Optional[partitioning.CopyOrdering] = None
-        self._verify_at_next_step = False
-        self.secondary_checks_run = 0
-        self._load_hook_module: Optional[torch.nn.Module] = None
         self._resumed_data_order: Optional[dict[str, Any]] = None  # set by a checkpoint load, checked on the data
 
-    @override
-    def _load_config(self, config: Any) -> None:
-        # Lightning's DeepSpeedStrategy.__init__ replaces its defaults by what this returns (config= or the
-        # PL_DEEPSPEED_CONFIG_PATH file); this strategy merges that config over the defaults itself, in __init__.
-        return None
-
-    @override
-    def _set_deepspeed_activation_checkpointing(self) -> None:
-        # Lightning's version leaves out the layer count and the boundary sync: contiguous checkpointing then fails.
-        import deepspeed
-
-        section = self.config.get("activation_checkpointing")
-        if section:
-            deepspeed.checkpointing.configure(
-                mpu_=None,
-                partition_activations=section.get("partition_activations"),
-                contiguous_checkpointing=section.get("contiguous_memory_optimization"),
-                num_checkpoints=section.get("number_checkpoints"),
-                checkpoint_in_cpu=section.get("cpu_checkpointing"),
-                synchronize=section.get("synchronize_checkpoint_boundary"),
-                profile=section.get("profile"),
-            )
-
-    # ----------------------------------------------------------------------------------------------- layout
-    @property
-    def devices_per_node(self) -> int:
-        return len(self.parallel_devices or []) or 1
-
-    @override
-    def _configure_launcher(self) -> None:
-        # Called while the Trainer is built, before any process is launched: the place for every layout check.
-        self._resolve_layout()
-        super()._configure_launcher()
-
-    def _resolve_layout(self) -> None:
-        settings = self.zero_settings
-        size, how = cfg.resolve_partition_size(
-            settings.hpz_partition_size, settings.stage, self.devices_per_node, self.num_nodes
-        )
-        cfg.validate_layout(size, self.devices_per_node, self.num_nodes)
-        self._refuse_quantization_without_cuda()
-        if self.emulate_async_copy and not isinstance(self.accelerator, CPUAccelerator):
-            raise cfg.HpzConfigurationError(
-                "emulate_async_copy=True reproduces the hpZ race on CPU; on a GPU the copies really are asynchronous. "
-                "Use accelerator='cpu', or unset LIGHTNING_HPZ_EMULATE_ASYNC_COPY."
-            )
-        self.hpz_partition_size = size
-        if settings.stage:  # stage 0 (zero_optimization=False) keeps ZeRO off, as in Lightning
-            self.config.setdefault("zero_optimization", {}).update(cfg.zero_section(settings, size))
-        if settings.hpz_partition_size == "auto":
-            rank_zero_info(how)
-
-    def _refuse_quantization_without_cuda(self) -> None:
-        if isinstance(self.accelerator, CUDAAccelerator) or self.accelerator is None:
-            return
-        for name in ("quantized_weights", "quantized_gradients"):
-            if getattr(self.zero_settings, name):
-                raise cfg.HpzConfigurationError(
-                    f"{name}=True (ZeRO++ {'qwZ' if name == 'quantized_weights' else 'qgZ'}) needs CUDA: DeepSpeed has "
-                    f"no {type(self.accelerator).__name__} kernels for it. Set {name}=False, or train on GPUs."
-                )
-
     # ----------------------------------------------------------------------------------------------- environment
-    @property
-    def on_cpu(self) -> bool:
-        return isinstance(self.accelerator, CPUAccelerator)
-
-    @override
-    def setup_environment(self) -> None:
-        _quiet_deepspeed_deprecations()
-        if self.on_cpu:
-            _use_deepspeed_cpu_accelerator()
-            DDPStrategy.setup_environment(self)  # Lightning's DeepSpeedStrategy refuses anything but CUDA here
-        else:
-            super().setup_environment()
-        self.copy_ordering = partitioning.install(self.hpz_sync, emulate_async_copy=self.emulate_async_copy)
-        if self.hpz_sync == "none" and (self.hpz_partition_size or 1) > 1:
-            rank_zero_warn(
-                "hpz_sync='none' leaves the hpZ secondary-partition copy unordered before its all-gather: training "
-                "can silently diverge (arXiv 2407.01614). Use it only to reproduce that failure."
-            )
-
     @override
     def setup_distributed(self) -> None:
         if not self.on_cpu:
@@ -192,52 +60,16 @@ class HpzStrategy(DeepSpeedStrategy):
             return
         from lightning.fabric.utilities.seed import reset_seed
 
-        reset_seed()
+        reset_seed()  # Lightning's own also validates device indices, which a CPU device does not have
         self.set_world_ranks()
         self._init_deepspeed_distributed()
-
-    @override
-    def _init_deepspeed_distributed(self) -> None:
-        super()._init_deepspeed_distributed()
-        self._check_secondary_groups_within_nodes()
-
-    def _check_secondary_groups_within_nodes(self) -> None:
-        """DeepSpeed groups consecutive global ranks; make sure the launcher numbered each node's ranks together."""
-        size = self.hpz_partition_size or 1
-        if size <= 1:
-            return
-        node_of_rank: list[Optional[int]] = [None] * self.world_size
-        torch.distributed.all_gather_object(node_of_rank, self.node_rank)
-        for start in range(0, self.world_size, size):
-            nodes = set(node_of_rank[start : start + size])
-            if len(nodes) > 1:
-                raise cfg.HpzConfigurationError(
-                    f"hpZ secondary group of ranks {start}..{start + size - 1} spans nodes {sorted(nodes)}: the "
-                    "launcher did not number each node's ranks consecutively, so backward gathers would cross nodes. "
-                    "Launch with ranks grouped by node (torchrun and SLURM do), or set hpz_partition_size=1."
-                )
 
     @override
     def _setup_model_and_optimizer(
         self, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None
     ) -> tuple[Any, Any]:
-        import deepspeed
-
-        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self._deepspeed_device_rank),
-            config=self.config,
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-        )
+        engine, deepspeed_optimizer, _, _ = self._initialize_deepspeed(model, optimizer, lr_scheduler)
         return engine, deepspeed_optimizer
-
-    @property
-    def _deepspeed_device_rank(self) -> int:
-        # DeepSpeed compares the device rank with 0; a CPU device has no index, so the local rank stands in.
-        return self.root_device.index if self.root_device.index is not None else self.local_rank
 
     @override
     def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
@@ -289,29 +121,15 @@ class HpzStrategy(DeepSpeedStrategy):
         rank_failure.release_peers(children, self.failure_grace_period)
 
     # ----------------------------------------------------------------------------------------------- secondaries
-    def refresh_secondary_partitions(self) -> int:
-        """Drop every secondary partition so the next gather rebuilds them from the primary shards."""
+    @override
+    def _hpz_module(self) -> torch.nn.Module:
         assert self.lightning_module is not None
-        return partitioning.refresh_secondary_partitions(self.lightning_module)
-
-    def check_secondary_partitions(self, raise_on_mismatch: bool = True) -> partitioning.SecondaryCheckReport:
-        """Compare every secondary partition with its primaries on all ranks (a collective)."""
-        assert self.lightning_module is not None
-        self.secondary_checks_run += 1
-        return partitioning.check_secondary_partitions(self.lightning_module, raise_on_mismatch=raise_on_mismatch)
-
-    def _after_weights_changed(self) -> None:
-        if self.zero_stage_3 and (self.hpz_partition_size or 1) > 1:
-            self.refresh_secondary_partitions()
-            self._verify_at_next_step = self.verify_after_load
+        return self.lightning_module
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        if self._verify_at_next_step:
-            # Forward has just rebuilt the secondaries from the loaded weights; backward will read them.
-            self._verify_at_next_step = False
-            self.check_secondary_partitions()
+        self._verify_if_due()
         return output
 
     @override
@@ -334,72 +152,7 @@ class HpzStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        assert self.lightning_module is not None
-        # A user's `load_state_dict` into the sharded model (inside GatheredParameters, often on one rank only) must
-        # not leave stale copies: drop those of the gathered parameters, their release rebuilds them on every rank.
-        if self._load_hook_module is not self.lightning_module:
-            self.lightning_module.register_load_state_dict_post_hook(_drop_secondaries_of_gathered_parameters)
-            self._load_hook_module = self.lightning_module
-
-    # ----------------------------------------------------------------------------------------------- registry
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, description, kwargs in STRATEGY_PRESETS:
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, **kwargs)
-
-
-STRATEGY_PRESETS: list[tuple[str, str, dict[str, Any]]] = [
-    ("hpz", "ZeRO-3 + hpZ (secondary partition = devices per node), stabilized; CPU and GPU", {}),
-    (
-        "hpz_offload",
-        "ZeRO-3 + hpZ with optimizer states offloaded to CPU memory",
-        {"offload_optimizer": True},
-    ),
-    (
-        "zeropp",
-        "full ZeRO++: ZeRO-3 + hpZ + qwZ (int8 weight gather) + qgZ (quantized gradients); CUDA only",
-        {"quantized_weights": True, "quantized_gradients": True},
-    ),
-    ("zero1", "ZeRO stage 1 (optimizer states sharded); CPU and GPU", {"stage": 1, "hpz_partition_size": 1}),
-    (
-        "zero2",
-        "ZeRO stage 2 (optimizer states + gradients sharded); CPU and GPU",
-        {"stage": 2, "hpz_partition_size": 1},
-    ),
-    (
-        "zero2_offload",
-        "ZeRO stage 2 with optimizer states offloaded to CPU",
-        {"stage": 2, "hpz_partition_size": 1, "offload_optimizer": True},
-    ),
-    ("zero3", "plain ZeRO stage 3 (everything sharded, hpZ off); CPU and GPU", {"stage": 3, "hpz_partition_size": 1}),
-    (
-        "zero3_offload",
-        "plain ZeRO stage 3 with parameters and optimizer states offloaded to CPU",
-        {"stage": 3, "hpz_partition_size": 1, "offload_optimizer": True, "offload_parameters": True},
-    ),
-]
-
-
-def _use_deepspeed_cpu_accelerator() -> None:
-    """Lightning trains on CPU: make DeepSpeed's accelerator agree, also on a machine that has a GPU."""
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-        set_accelerator(CPU_Accelerator())
-
-
-def _drop_secondaries_of_gathered_parameters(module: torch.nn.Module, incompatible_keys: Any) -> None:
-    partitioning.refresh_secondary_partitions(module, gathered_only=True)
-
-
-def _quiet_deepspeed_deprecations() -> None:
-    # DeepSpeed's comm layer calls torch collectives that torch now marks deprecated, once per call: a flood of
-    # warnings a user cannot act on.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+        self._watch_load_state_dict(self._hpz_module())
 
 
 def register() -> None:

@@ -1,0 +1,88 @@
+"""``HpzFabricStrategy``: Fabric's DeepSpeed strategy with stabilized hierarchical partitioning (hpZ), CPU and GPU."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
+from lightning.fabric.utilities.seed import reset_seed
+from typing_extensions import override
+
+from lightning_hpz import partitioning
+from lightning_hpz.hpz_setup import HpzSetup
+
+
+class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
+    """ZeRO stages 1-3 with stabilized hpZ for Fabric, registered as ``Fabric(strategy="hpz")`` (and ``zero3``, ...).
+
+    Takes every argument of :class:`~lightning_hpz.hpz_setup.HpzSetup` (``stage``, ``hpz_partition_size``,
+    ``quantized_weights``, ``quantized_gradients``, ``hpz_sync``, ``emulate_async_copy``, ``verify_after_load``,
+    ``config``) and of Fabric's :class:`~lightning.fabric.strategies.DeepSpeedStrategy`, with the same defaults,
+    checks and messages as the Trainer's :class:`~lightning_hpz.HpzStrategy`.
+
+    In a training loop, ``fabric.strategy.check_secondary_partitions()`` (between forward and backward, on every
+    rank) verifies the secondary partitions and ``fabric.strategy.refresh_secondary_partitions()`` drops them after
+    you write sharded weights yourself. ``fabric.load`` refreshes them and, with ``verify_after_load``, checks them at
+    the next ``fabric.backward``. Call ``fabric.strategy.teardown()`` when done: Fabric never calls it itself, and
+    it undoes what setup installed in DeepSpeed.
+    """
+
+    # Fabric internals relied on (lightning/fabric/strategies/deepspeed.py, connector.py; Lightning 2.6): the connector
+    # calls `_configure_launcher` before launch; `_setup_distributed`, `_init_deepspeed_distributed`,
+    # `_initialize_engine`, `_format_config`/`_config_initialized` and `_deepspeed_engine` are overridden or read.
+    _lightning_deepspeed_strategy = DeepSpeedStrategy
+
+    @override
+    def _setup_distributed(self) -> None:
+        if not self.on_cpu:
+            super()._setup_distributed()
+            return
+        # Fabric's own (lightning/fabric/strategies/deepspeed.py) first validates device indices, which a CPU device
+        # does not have; the rest is the same.
+        reset_seed()
+        self._set_world_ranks()
+        self._init_deepspeed_distributed()
+        if not self._config_initialized:
+            self._format_config()
+            self._config_initialized = True
+
+    @override
+    def _initialize_engine(
+        self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None
+    ) -> tuple[Any, Any, Any]:
+        engine, deepspeed_optimizer, _, deepspeed_scheduler = self._initialize_deepspeed(model, optimizer, scheduler)
+        self._watch_load_state_dict(model)
+        return engine, deepspeed_optimizer, deepspeed_scheduler
+
+    @override
+    def _hpz_module(self) -> torch.nn.Module:
+        if self._deepspeed_engine is None:
+            raise RuntimeError(
+                "HpzFabricStrategy has no model yet: call `fabric.setup(model, optimizer)` before checking or "
+                "refreshing secondary partitions."
+            )
+        return self._deepspeed_engine.module
+
+    @override
+    def backward(self, tensor: torch.Tensor, module: Optional[torch.nn.Module], *args: Any, **kwargs: Any) -> None:
+        self._verify_if_due()
+        super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
+        remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+        if self._deepspeed_engine is not None:
+            self._after_weights_changed()
+        return remainder
+
+    @override
+    def teardown(self) -> None:
+        partitioning.uninstall()
+        super().teardown()
+
+
+def register() -> None:
+    HpzFabricStrategy.register_strategies(STRATEGY_REGISTRY)
