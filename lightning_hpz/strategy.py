@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import warnings
 from pathlib import Path
@@ -21,6 +22,8 @@ from typing_extensions import override
 
 from lightning_hpz import config as cfg
 from lightning_hpz import partitioning
+from lightning_hpz.checkpointing import commit, compatibility, resume
+from lightning_hpz.checkpointing.errors import CheckpointRefusedError
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.resumable_loader import ResumableLoader
 
@@ -221,6 +224,8 @@ class HpzStrategy(DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        if isinstance(exception, CheckpointRefusedError):
+            return  # every rank raises this same error itself: let each one report it
         # Lightning's launcher only reaps its children when one of them fails; a failure on rank 0 would leave them
         # blocked in a collective until the process-group timeout. End them now.
         if isinstance(self.launcher, _SubprocessScriptLauncher) and getattr(self.launcher, "procs", None):
@@ -253,8 +258,19 @@ class HpzStrategy(DeepSpeedStrategy):
         return output
 
     @override
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
+        filepath = self.broadcast(filepath)
+        run = compatibility.describe_run(self, checkpoint.get("global_step"), checkpoint.get("epoch"))
+        with commit.committed_save(Path(filepath), run) as staging:  # visible at `filepath` once complete
+            super().save_checkpoint(checkpoint, staging, storage_options)
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        loading = contextlib.nullcontext()
+        if not (self.load_full_weights and self.zero_stage_3):  # a single-file checkpoint: Lightning loads it
+            checkpoint_path, loading = resume.prepare_load(self, checkpoint_path)
+        with loading:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         self._after_weights_changed()
         return checkpoint
 
