@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 MANIFEST_NAME = "hpz_manifest.json"
 MANIFEST_FORMAT = 1
+UNIVERSAL_DIR = "universal"  # the converted copy for other world sizes (universal.py)
 DEEPSPEED_TAG = "checkpoint"  # the tag Lightning's DeepSpeedStrategy saves under: <ckpt>/checkpoint/*.pt
 _CHUNK = 8 << 20
 _RANK_IN_NAME = re.compile(r"zero_pp_rank_(\d+)_")
@@ -121,3 +122,35 @@ def saved_world_from_names(checkpoint_dir: Path) -> dict[str, Any]:
     optimizer_shards = [n for n in names if n.endswith("optim_states.pt")]
     stage_3 = any(n.startswith("zero_pp_rank_") and n.endswith("model_states.pt") for n in names)
     return {"world_size": len(optimizer_shards) or None, "stage_3": stage_3}
+
+
+def damage_report(checkpoint_dir: Path, problems: list[str]) -> str:
+    """The refusal message for a damaged checkpoint: every bad file, and where to resume instead."""
+    checkpoint_dir = Path(checkpoint_dir)
+    good = last_good_checkpoint(checkpoint_dir)
+    fallback = (
+        f"The last good checkpoint in {checkpoint_dir.parent} is {good}: resume from it (ckpt_path={str(good)!r})."
+        if good
+        else f"There is no other intact checkpoint in {checkpoint_dir.parent}."
+    )
+    return f"Checkpoint {checkpoint_dir} is damaged, refusing to load it. " + "; ".join(problems) + ". " + fallback
+
+
+def unreadable_archives(checkpoint_dir: Path) -> list[str]:
+    """Files of a checkpoint without manifest that are not intact zip archives (torch.save's format, CRC-checked)."""
+    import zipfile
+
+    bad = []
+    for name in checkpoint_files(Path(checkpoint_dir)):
+        if not name.endswith(".pt"):
+            continue
+        path = Path(checkpoint_dir) / name
+        try:
+            with zipfile.ZipFile(path) as archive:
+                damaged_member = archive.testzip()
+        except (zipfile.BadZipFile, OSError) as error:
+            bad.append(f"{path}: not a complete archive ({error})")
+            continue
+        if damaged_member is not None:
+            bad.append(f"{path}: checksum error in {damaged_member}")
+    return bad

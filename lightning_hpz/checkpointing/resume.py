@@ -47,17 +47,7 @@ def verify_integrity(path: Path, recorded: dict[str, Any]) -> None:
     share = names[collectives.rank() :: collectives.world_size()]
     problems = agreed(manifest.verify_files(path, recorded, share))
     if problems:
-        raise CheckpointIntegrityError(_same_on_every_rank(lambda: integrity_message(path, problems)))
-
-
-def integrity_message(path: Path, problems: list[str]) -> str:
-    good = manifest.last_good_checkpoint(path)
-    fallback = (
-        f"The last good checkpoint in {path.parent} is {good}: resume from it (ckpt_path={str(good)!r})."
-        if good
-        else f"There is no other intact checkpoint in {path.parent}."
-    )
-    return f"Checkpoint {path} is damaged, refusing to load it. " + "; ".join(problems) + ". " + fallback
+        raise CheckpointIntegrityError(_same_on_every_rank(lambda: manifest.damage_report(path, problems)))
 
 
 def refuse_mismatches(path: Path, saved: dict[str, Any], current: dict[str, Any], strategy: Any) -> None:

@@ -19,9 +19,7 @@ from pathlib import Path
 
 from lightning_hpz import collectives
 from lightning_hpz.checkpointing.errors import CheckpointMismatchError
-from lightning_hpz.checkpointing.manifest import DEEPSPEED_TAG
-
-UNIVERSAL_DIR = "universal"
+from lightning_hpz.checkpointing.manifest import DEEPSPEED_TAG, UNIVERSAL_DIR
 
 DATA_ORDER_WARNING = (
     "Resuming a checkpoint written on {saved} ranks on {current} ranks: weights, optimizer moments and step counters "
