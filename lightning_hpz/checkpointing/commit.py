@@ -36,7 +36,7 @@ def committed_save(final: Path, run: dict[str, Any]) -> Iterator[Path]:
     collectives.barrier()
     yield staging
     collectives.barrier()  # every rank's files are complete
-    mine = manifest.digests(staging, manifest.files_written_by(staging, collectives.rank()))
+    mine = manifest.digests(staging, manifest.files_written_by(staging, collectives.rank(), collectives.world_size()))
     every_rank = collectives.all_gather_object(mine)
     if collectives.rank() == 0:
         files = {name: entry for part in every_rank for name, entry in part.items()}

@@ -51,7 +51,8 @@ def inspect_checkpoint(checkpoint_dir: Path, checksums: bool = True) -> tuple[li
         _row("parameters", _parameter_summary(run.get("parameters") or {})),
     ]
     lines += _size_rows({name: entry["size"] for name, entry in recorded["files"].items()})
-    lines.append(_row("universal", "converted copy cached" if (checkpoint_dir / manifest.UNIVERSAL_DIR).is_dir() else "none"))
+    converted = (checkpoint_dir / manifest.UNIVERSAL_DIR).is_dir()
+    lines.append(_row("universal", "converted copy cached" if converted else "none"))
     return lines, not problems
 
 

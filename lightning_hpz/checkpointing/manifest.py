@@ -37,12 +37,12 @@ def checkpoint_files(checkpoint_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(checkpoint_dir)) for p in tag_dir.rglob("*") if p.is_file())
 
 
-def files_written_by(checkpoint_dir: Path, rank: int) -> list[str]:
+def files_written_by(checkpoint_dir: Path, rank: int, world_size: int) -> list[str]:
     """The files ``rank`` wrote itself (its ``zero_pp_rank_<rank>_`` shards; rank 0 also the shared ones)."""
     owned = []
     for name in checkpoint_files(checkpoint_dir):
         match = _RANK_IN_NAME.search(Path(name).name)
-        if (int(match.group(1)) if match else 0) == rank:
+        if (int(match.group(1)) if match else 0) % world_size == rank:
             owned.append(name)
     return owned
 

@@ -1,10 +1,11 @@
 """Checkpoints written, damaged, moved and resumed by a plain MLP under HpzStrategy (one process per rank).
 
 Run as ``python checkpoint_training.py '<json options>'``. ``options["jobs"]``: fits run one after the other in the
-same processes, each ``{"stage", "hpz", "max_steps", "ckpt_path", "ckpt_dir", "kill_rank", "kill_step"}``. Every 2 steps
-``ModelCheckpoint`` saves (``save_last=True``) into the job's ``ckpt_dir`` (default ``options["ckpt_dir"]``). ``kill_rank`` dies half-way through
-writing its optimizer shard of the checkpoint at ``kill_step``. Each rank writes ``rank<r>.json``: per job the step it
-resumed at, the losses, or the error it raised; rank 0 also saves the full fp32 weights it resumed with.
+same processes, each ``{"stage", "hpz", "max_steps", "ckpt_path", "ckpt_dir", "kill_rank", "kill_step"}``.
+Every 2 steps ``ModelCheckpoint`` saves (``save_last=True``) into the job's ``ckpt_dir`` (default
+``options["ckpt_dir"]``). ``kill_rank`` dies half-way through writing its optimizer shard of the checkpoint at
+``kill_step``. Each rank writes ``rank<r>.json``: per job the step it resumed at, the losses, or the error it raised;
+rank 0 also saves the full fp32 weights it resumed with.
 """
 
 import json
@@ -64,7 +65,11 @@ def fit(job: dict, options: dict, index: int) -> dict:
     recorder = ResumeRecorder(job, out, index)
     strategy = lightning_hpz.HpzStrategy(stage=job.get("stage", 3), hpz_partition_size=job.get("hpz", 1))
     checkpoints = ModelCheckpoint(
-        dirpath=job.get("ckpt_dir", options.get("ckpt_dir")), every_n_train_steps=2, save_top_k=-1, save_last=True, filename="{step}"
+        dirpath=job.get("ckpt_dir", options.get("ckpt_dir")),
+        every_n_train_steps=2,
+        save_top_k=-1,
+        save_last=True,
+        filename="{step}",
     )
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=options["devices"], max_steps=job["max_steps"], logger=False,
