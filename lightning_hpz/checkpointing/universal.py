@@ -35,7 +35,7 @@ def universal_copy(checkpoint_dir: Path) -> Path:
     failure = ""
     if collectives.rank() == 0 and not target.is_dir():
         try:
-            _convert(Path(checkpoint_dir), target)
+            convert_to_universal(Path(checkpoint_dir), target)
         except Exception as error:  # reported identically on every rank below, instead of hanging the others
             failure = f"{type(error).__name__}: {error}"
     failure = collectives.broadcast_object(failure, src=0)
@@ -47,7 +47,7 @@ def universal_copy(checkpoint_dir: Path) -> Path:
     return target
 
 
-def _convert(checkpoint_dir: Path, target: Path) -> None:
+def convert_to_universal(checkpoint_dir: Path, target: Path) -> None:
     from deepspeed.checkpoint import ds_to_universal
 
     partial = target.with_name(target.name + ".partial")
