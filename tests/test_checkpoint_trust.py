@@ -71,7 +71,9 @@ def moved_down(written, module_tmp):
     copies = _damaged_copies(ckpts, module_tmp / "damaged")
     jobs = [{"stage": 3, "max_steps": 6, "ckpt_path": str(copies[case])} for case in REFUSED_JOBS]
     jobs[-1]["stage"] = 2
-    jobs.append({"stage": 3, "max_steps": 5, "ckpt_path": str(copies["no_manifest"])})
+    # its own directory: its saves must not become the "last" checkpoint the next job resumes
+    scratch = str(module_tmp / "ckpts_scratch")
+    jobs.append({"stage": 3, "max_steps": 5, "ckpt_path": str(copies["no_manifest"]), "ckpt_dir": scratch})
     jobs.append({"stage": 3, "max_steps": 8, "ckpt_path": "last"})
     jobs.append({"stage": 2, "max_steps": 4, "ckpt_dir": str(module_tmp / "ckpts_stage2")})
     options = {"devices": 2, "ckpt_dir": str(ckpts), "jobs": jobs}
