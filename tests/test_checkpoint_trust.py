@@ -99,8 +99,6 @@ def _jobs(run, ranks: int) -> list[list[dict]]:
 
 
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint_resumable(written, moved_down):
-    _, ckpts, _ = written
-    assert not (ckpts / "step=6.ckpt").exists() or read_manifest(ckpts / "step=6.ckpt")["run"]["global_step"] == 6
     jobs = _jobs(moved_down[0], 2)
     resumed = [rank_jobs[5] for rank_jobs in jobs]
     # "last" pointed at the step-4 checkpoint, not at the half-written step-6 one
