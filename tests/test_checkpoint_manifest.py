@@ -2,16 +2,23 @@
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lightning_hpz.checkpoint import consolidate
-from lightning_hpz.checkpointing import CheckpointIntegrityError, last_good_checkpoint, read_manifest
+from lightning_hpz.checkpointing import (
+    CheckpointIntegrityError,
+    CheckpointMismatchError,
+    last_good_checkpoint,
+    read_manifest,
+)
 from lightning_hpz.checkpointing.commit import committed_save
 from lightning_hpz.checkpointing.compatibility import mismatches
 from lightning_hpz.checkpointing.inspect_command import checkpoint_main
 from lightning_hpz.checkpointing.manifest import file_digest, verify_files
+from lightning_hpz.checkpointing.resume import refuse_mismatches
 
 RUN = {"stage": 3, "world_size": 2, "hpz_partition_size": 1, "global_step": 4, "epoch": 0, "optimizer": "AdamW"}
 SHARD = "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -131,3 +138,10 @@ def test_inspect_reports_the_run_and_fails_on_damage(tmp_path, capsys):
 def _kib(path: Path) -> str:
     total = sum(entry["size"] for entry in read_manifest(path)["files"].values())
     return f"{total / 1024:.1f}"
+
+
+def test_world_size_change_refused_when_optimizer_state_cannot_be_converted():
+    strategy = SimpleNamespace(config={"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
+    with pytest.raises(CheckpointMismatchError, match=r"written on 4 ranks, this run has 2.*NVMe.*Resume on 4 ranks"):
+        refuse_mismatches(Path("x.ckpt"), {**RUN, "world_size": 4}, {**RUN, "world_size": 2}, strategy)
+    refuse_mismatches(Path("x.ckpt"), {**RUN, "world_size": 4}, {**RUN, "world_size": 2}, SimpleNamespace(config={}))
