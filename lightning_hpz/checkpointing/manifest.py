@@ -80,7 +80,7 @@ def file_problem(checkpoint_dir: Path, name: str, expected: dict[str, Any], hash
     size = path.stat().st_size
     if size == expected["size"] and not hash_contents:
         return ""
-    found = file_digest(path) if size == expected["size"] else {"size": size, "blake2b": file_digest(path)["blake2b"]}
+    found = file_digest(path)
     if found == {"size": expected["size"], "blake2b": expected["blake2b"]}:
         return ""
     return (
@@ -95,10 +95,6 @@ def verify_files(
     """One sentence per damaged or missing file among ``names`` (files of ``manifest``)."""
     entries = manifest["files"]
     return [p for p in (file_problem(checkpoint_dir, n, entries[n], hash_contents) for n in names) if p]
-
-
-def unlisted_files(checkpoint_dir: Path, manifest: dict[str, Any]) -> list[str]:
-    return [name for name in checkpoint_files(checkpoint_dir) if name not in manifest["files"]]
 
 
 def last_good_checkpoint(checkpoint_dir: Path) -> Optional[Path]:

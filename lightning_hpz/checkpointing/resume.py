@@ -24,6 +24,8 @@ NO_MANIFEST_WARNING = (
 def prepare_load(strategy: Any, checkpoint_path: Any) -> tuple[Path, contextlib.AbstractContextManager]:
     """The directory DeepSpeed should load, and the context to load it in; raises on every rank if it must not."""
     path = Path(checkpoint_path)
+    if not path.is_dir():
+        return path, contextlib.nullcontext()  # not a sharded checkpoint: Lightning's own check says what is wrong
     recorded = manifest.read_manifest(path)
     if recorded is None:
         rank_zero_warn(NO_MANIFEST_WARNING.format(path=path))
