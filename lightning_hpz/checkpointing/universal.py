@@ -23,7 +23,7 @@ from lightning_hpz.checkpointing.manifest import DEEPSPEED_TAG, UNIVERSAL_DIR
 
 DATA_ORDER_WARNING = (
     "Resuming a checkpoint written on {saved} ranks on {current} ranks: weights, optimizer moments and step counters "
-    "are restored exactly; but a global batch is now {current} per-rank batches instead of {saved}, so the samples "
+    "are restored exactly, but a global batch now holds {current} per-rank batches instead of {saved}, so the samples "
     "each step sees and the data order from here on differ from the original run."
 )
 
