@@ -7,6 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_hpz.checkpointing import manifest
+from lightning_hpz.checkpointing.errors import CheckpointIntegrityError
+
 
 class CheckpointNotFoundError(FileNotFoundError):
     """The path given is not a checkpoint directory written by a DeepSpeed-based strategy."""
@@ -32,8 +35,23 @@ def consolidate(checkpoint_dir: str | Path, output_file: str | Path) -> dict[str
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
     checkpoint_dir = validate_checkpoint_dir(checkpoint_dir)
+    _refuse_damaged(checkpoint_dir)
     Path(output_file).parent.mkdir(parents=True, exist_ok=True)
-    return convert_zero_checkpoint_to_fp32_state_dict(str(checkpoint_dir), str(output_file))
+    try:
+        return convert_zero_checkpoint_to_fp32_state_dict(str(checkpoint_dir), str(output_file))
+    except Exception as error:
+        # Without a manifest, DeepSpeed's reader fails on a damaged file without naming it ("Invalid argument").
+        unreadable = manifest.unreadable_archives(checkpoint_dir)
+        if unreadable:
+            raise CheckpointIntegrityError(manifest.damage_report(checkpoint_dir, unreadable)) from error
+        raise
+
+
+def _refuse_damaged(checkpoint_dir: Path) -> None:
+    recorded = manifest.read_manifest(checkpoint_dir)
+    problems = manifest.verify_files(checkpoint_dir, recorded, list(recorded["files"])) if recorded else []
+    if problems:
+        raise CheckpointIntegrityError(manifest.damage_report(checkpoint_dir, problems))
 
 
 def consolidate_main(argv: Sequence[str]) -> None:

@@ -19,6 +19,11 @@ TOOLS: dict[str, tuple[str, str, str]] = {
         "consolidate_main",
         "merge a sharded DeepSpeed checkpoint into one fp32 state-dict file",
     ),
+    "checkpoint": (
+        "lightning_hpz.checkpointing.inspect_command",
+        "checkpoint_main",
+        "inspect a sharded checkpoint: stage, world size, step, integrity manifest, sizes",
+    ),
     "bench": (
         "lightning_hpz.bench.command",
         "bench_main",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -14,6 +16,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_hpz import data_order, epoch_end_checkpoint, partitioning, random_layers, rank_failure
+from lightning_hpz.checkpointing import commit, compatibility, resume
+from lightning_hpz.checkpointing.errors import CheckpointRefusedError
 from lightning_hpz.hpz_setup import HpzSetup
 from lightning_hpz.inference import inference_config
 from lightning_hpz.resumable_loader import ResumableLoader
@@ -115,6 +119,8 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        if isinstance(exception, CheckpointRefusedError):
+            return  # every rank raises this same error itself: let each one report it
         # Peers would wait for this rank in their next collective until the timeout: release them (rank_failure.py).
         # The children of Lightning's subprocess launcher (its `procs`) still stuck after the grace period are killed.
         children = self.launcher.procs if isinstance(self.launcher, _SubprocessScriptLauncher) else None
@@ -133,8 +139,18 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         return output
 
     @override
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
+        filepath = self.broadcast(filepath)
+        run = compatibility.describe_run(self, checkpoint.get("global_step"), checkpoint.get("epoch"))
+        with commit.committed_save(Path(filepath), run) as staging:  # visible at `filepath` once complete
+            super().save_checkpoint(checkpoint, staging, storage_options)
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        with partitioning.optimizer_less_checkpoint_load(self.model):
+        loading = contextlib.nullcontext()
+        if not (self.load_full_weights and self.zero_stage_3):  # a single-file checkpoint: Lightning loads it
+            checkpoint_path, loading = resume.prepare_load(self, checkpoint_path)
+        with loading, partitioning.optimizer_less_checkpoint_load(self.model):
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         # Lightning's loops would replay an epoch-end checkpoint as a finished epoch plus one batch (see the module).
         epoch_end_checkpoint.complete_epoch_saved_at_epoch_end(checkpoint)

@@ -1,0 +1,57 @@
+"""Atomic commit: a checkpoint appears at its path only once every rank's files are complete and checksummed.
+
+DeepSpeed writes ``latest`` from rank 0 whatever the other ranks did, so a rank that dies half-way through its shard
+leaves a directory that looks complete. Here the checkpoint is written into ``<path>.partial``; after a barrier each
+rank checksums the files it wrote (in parallel), rank 0 writes the manifest last and renames the directory into
+place. A crash at any point before that rename leaves ``<path>`` untouched: the previous checkpoint stays the newest,
+and Lightning (``ModelCheckpoint``'s paths, ``ckpt_path="last"``) never sees the partial one.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from lightning_hpz import collectives
+from lightning_hpz.checkpointing import manifest
+
+PARTIAL_SUFFIX = ".partial"
+REPLACED_SUFFIX = ".replaced"
+
+
+def staging_path(final: Path) -> Path:
+    return final.with_name(final.name + PARTIAL_SUFFIX)
+
+
+@contextmanager
+def committed_save(final: Path, run: dict[str, Any]) -> Iterator[Path]:
+    """Yield the staging directory to save into; on exit, checksum, write the manifest and move it to ``final``."""
+    final = Path(final)
+    staging = staging_path(final)
+    if collectives.rank() == 0 and staging.exists():
+        shutil.rmtree(staging)  # left by a run that crashed while saving
+    collectives.barrier()
+    yield staging
+    collectives.barrier()  # every rank's files are complete
+    mine = manifest.digests(staging, manifest.files_written_by(staging, collectives.rank(), collectives.world_size()))
+    every_rank = collectives.all_gather_object(mine)
+    if collectives.rank() == 0:
+        files = {name: entry for part in every_rank for name, entry in part.items()}
+        manifest.write_manifest(staging, files, run)
+        _move_into_place(staging, final)
+    collectives.barrier()
+
+
+def _move_into_place(staging: Path, final: Path) -> None:
+    # Overwriting (``last.ckpt``): the old copy moves aside first and is deleted only after the new one is in place.
+    replaced = final.with_name(final.name + REPLACED_SUFFIX)
+    if final.exists():
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        final.rename(replaced)
+    staging.rename(final)
+    if replaced.exists():
+        shutil.rmtree(replaced)

@@ -1,0 +1,69 @@
+"""What a run is (stage, world, model, optimizer) and which differences from a checkpoint it cannot continue from."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+_SHAPES_SHOWN = 3
+
+
+def describe_run(strategy: Any, global_step: Optional[int] = None, epoch: Optional[int] = None) -> dict[str, Any]:
+    """The facts a checkpoint records about the run that wrote it, and a resume compares against."""
+    module = strategy.lightning_module
+    engine = strategy.model
+    optimizer = getattr(engine, "basic_optimizer", None)  # the user's optimizer, inside DeepSpeed's ZeRO wrapper
+    return {
+        "stage": int((strategy.config.get("zero_optimization") or {}).get("stage", 0)),  # 0: ZeRO off
+        "world_size": int(strategy.world_size),
+        "hpz_partition_size": int(getattr(strategy, "hpz_partition_size", None) or 1),
+        "global_step": global_step,
+        "epoch": epoch,
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "parameters": {name: list(getattr(p, "ds_shape", p.shape)) for name, p in module.named_parameters()},
+    }
+
+
+def mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One sentence per difference the run cannot resume across, naming both sides. hpZ size and world size are fine:
+    hpZ only changes communication, and a world-size change is converted (see universal.py)."""
+    problems = []
+    if saved.get("stage") is not None and saved["stage"] != current["stage"]:
+        problems.append(
+            f"ZeRO stage: the checkpoint was written with stage {saved['stage']}, this run uses stage "
+            f"{current['stage']}. Resume with stage={saved['stage']}."
+        )
+    if saved.get("optimizer") and current.get("optimizer") and saved["optimizer"] != current["optimizer"]:
+        problems.append(
+            f"optimizer: the checkpoint holds {saved['optimizer']} state, this run's optimizer is "
+            f"{current['optimizer']}. Use {saved['optimizer']} in configure_optimizers to resume."
+        )
+    shape_problem = _parameter_mismatch(saved.get("parameters"), current.get("parameters"))
+    if shape_problem:
+        problems.append(shape_problem)
+    return problems
+
+
+def _parameter_mismatch(saved: Optional[dict], current: Optional[dict]) -> str:
+    if saved is None or current is None:
+        return ""
+    missing = [n for n in current if n not in saved]
+    extra = [n for n in saved if n not in current]
+    reshaped = [f"{n} {saved[n]} -> {current[n]}" for n in current if n in saved and saved[n] != current[n]]
+    if not (missing or extra or reshaped):
+        return ""
+    details = []
+    for label, names in (
+        ("changed shape", reshaped),
+        ("not in the checkpoint", missing),
+        ("only in the checkpoint", extra),
+    ):
+        if names:
+            shown = ", ".join(names[:_SHAPES_SHOWN]) + (
+                f" (+{len(names) - _SHAPES_SHOWN} more)" if len(names) > _SHAPES_SHOWN else ""
+            )
+            details.append(f"{label}: {shown}")
+    return (
+        "model shape: the checkpoint's parameters differ from this run's model ("
+        + "; ".join(details)
+        + "). Build the model with the configuration it was trained with."
+    )

@@ -1,0 +1,88 @@
+"""Before DeepSpeed reads a checkpoint: verify its files, compare it with this run, and pick how to load it.
+
+Every decision here is agreed over all ranks before anyone raises, so a refused checkpoint gives every rank the same
+message instead of one rank's traceback and the others' "Connection closed by peer".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_hpz import collectives
+from lightning_hpz.checkpointing import compatibility, manifest, universal
+from lightning_hpz.checkpointing.errors import CheckpointIntegrityError, CheckpointMismatchError
+
+NO_MANIFEST_WARNING = (
+    "Checkpoint {path} has no integrity manifest (written before lightning_hpz wrote one): loading it unverified."
+)
+
+
+def prepare_load(strategy: Any, checkpoint_path: Any) -> tuple[Path, contextlib.AbstractContextManager]:
+    """The directory DeepSpeed should load, and the context to load it in; raises on every rank if it must not."""
+    path = Path(checkpoint_path)
+    if not path.is_dir():
+        return path, contextlib.nullcontext()  # not a sharded checkpoint: Lightning's own check says what is wrong
+    recorded = manifest.read_manifest(path)
+    if recorded is None:
+        rank_zero_warn(NO_MANIFEST_WARNING.format(path=path))
+        saved = _saved_run_without_manifest(path)
+    else:
+        verify_integrity(path, recorded)
+        saved = recorded["run"]
+    current = compatibility.describe_run(strategy)
+    refuse_mismatches(path, saved, current, strategy)
+    if saved.get("world_size") in (None, current["world_size"]):
+        return path, contextlib.nullcontext()
+    from lightning_hpz.partitioning.universal_load import universal_loading
+
+    rank_zero_warn(universal.DATA_ORDER_WARNING.format(saved=saved["world_size"], current=current["world_size"]))
+    return universal.universal_copy(path), universal_loading(strategy.deepspeed_engine)
+
+
+def verify_integrity(path: Path, recorded: dict[str, Any]) -> None:
+    """Each rank checksums a share of the files; the damaged ones, gathered, are reported by every rank alike."""
+    names = list(recorded["files"])
+    share = names[collectives.rank() :: collectives.world_size()]
+    problems = agreed(manifest.verify_files(path, recorded, share))
+    if problems:
+        raise CheckpointIntegrityError(_same_on_every_rank(lambda: manifest.damage_report(path, problems)))
+
+
+def refuse_mismatches(path: Path, saved: dict[str, Any], current: dict[str, Any], strategy: Any) -> None:
+    problems = compatibility.mismatches(saved, current)
+    if saved.get("world_size") not in (None, current["world_size"]) and _offloads_to_nvme(strategy):
+        problems.append(
+            f"world size: the checkpoint was written on {saved['world_size']} ranks, this run has "
+            f"{current['world_size']}, and optimizer state offloaded to NVMe cannot be converted. Resume on "
+            f"{saved['world_size']} ranks."
+        )
+    problems = agreed(problems)
+    if problems:
+        raise CheckpointMismatchError(f"Cannot resume {path} in this run: " + " ".join(problems))
+
+
+def agreed(problems: list[str]) -> list[str]:
+    """Every rank's problems, in rank order without repeats: the same list on every rank."""
+    merged: list[str] = []
+    for part in collectives.all_gather_object(problems):
+        merged += [p for p in part if p not in merged]
+    return merged
+
+
+def _same_on_every_rank(build: Any) -> str:
+    return collectives.broadcast_object(build() if collectives.rank() == 0 else None, src=0)
+
+
+def _saved_run_without_manifest(path: Path) -> dict[str, Any]:
+    # File names tell the world size and whether it was ZeRO-3; stage 1 vs 2 and shapes are left to DeepSpeed.
+    names = manifest.saved_world_from_names(path)
+    return {"world_size": names["world_size"], "stage": 3 if names["stage_3"] else None}
+
+
+def _offloads_to_nvme(strategy: Any) -> bool:
+    offload = strategy.config.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return offload.get("device") == "nvme"

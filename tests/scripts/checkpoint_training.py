@@ -1,0 +1,98 @@
+"""Checkpoints written, damaged, moved and resumed by a plain MLP under HpzStrategy (one process per rank).
+
+Run as ``python checkpoint_training.py '<json options>'``. ``options["jobs"]``: fits run one after the other in the
+same processes, each ``{"stage", "hpz", "max_steps", "ckpt_path", "ckpt_dir", "kill_rank", "kill_step"}``.
+Every 2 steps ``ModelCheckpoint`` saves (``save_last=True``) into the job's ``ckpt_dir`` (default
+``options["ckpt_dir"]``). ``kill_rank`` dies half-way through writing its optimizer shard of the checkpoint at
+``kill_step``. Each rank writes ``rank<r>.json``: per job the step it resumed at, the losses, or the error it raised;
+rank 0 also saves the full fp32 weights it resumed with.
+"""
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+from toy_training import RegressionData, ToyRegressor
+
+import lightning_hpz
+
+
+class ResumeRecorder(L.Callback):
+    """Records the step and the full weights a fit starts from, and arms the mid-save kill."""
+
+    def __init__(self, job: dict, out: Path, index: int) -> None:
+        self.job, self.out, self.index = job, out, index
+        self.record: dict = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import deepspeed
+
+        self.record["start_step"] = trainer.global_step
+        params = dict(pl_module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), enabled=self.job.get("stage", 3) == 3):
+            weights = {name: p.detach().clone().float() for name, p in params.items()}
+        if trainer.global_rank == 0:
+            torch.save(weights, self.out / f"weights_job{self.index}.pt")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if trainer.global_step == self.job.get("kill_step") and trainer.global_rank == self.job.get("kill_rank"):
+            _die_while_writing_optimizer_shard()
+
+
+def _die_while_writing_optimizer_shard() -> None:
+    original = torch.save
+
+    def half_written_then_killed(obj, f, *args, **kwargs):
+        if "optim_states" not in str(f):
+            return original(obj, f, *args, **kwargs)
+        original(obj, f, *args, **kwargs)
+        size = os.path.getsize(f)
+        os.truncate(f, size // 2)  # the rest never reached the disk
+        os._exit(9)
+
+    torch.save = half_written_then_killed
+
+
+def fit(job: dict, options: dict, index: int) -> dict:
+    L.seed_everything(0, verbose=False)
+    out = Path(options["out"])
+    recorder = ResumeRecorder(job, out, index)
+    strategy = lightning_hpz.HpzStrategy(stage=job.get("stage", 3), hpz_partition_size=job.get("hpz", 1))
+    checkpoints = ModelCheckpoint(
+        dirpath=job.get("ckpt_dir", options.get("ckpt_dir")),
+        every_n_train_steps=2,
+        save_top_k=-1,
+        save_last=True,
+        filename="{step}",
+    )
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=options["devices"], max_steps=job["max_steps"], logger=False,
+        callbacks=[checkpoints, recorder], enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    model = ToyRegressor()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, DataLoader(RegressionData(), batch_size=8), ckpt_path=job.get("ckpt_path"))
+    except lightning_hpz.checkpointing.CheckpointRefusedError as error:
+        return {"error": str(error), "error_type": type(error).__name__}
+    ours = [str(w.message) for w in caught if "lightning_hpz" in str(w.filename) or "manifest" in str(w.message)]
+    return {**recorder.record, "losses": model.losses, "end_step": trainer.global_step, "warnings": ours}
+
+
+def main(options: dict) -> None:
+    out = Path(options["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    records = [fit(job, options, index) for index, job in enumerate(options["jobs"])]
+    rank = int(os.environ.get("LOCAL_RANK", 0))  # one node: the local rank is the global rank
+    (out / f"rank{rank}.json").write_text(json.dumps({"jobs": records}))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

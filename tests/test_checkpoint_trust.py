@@ -1,0 +1,184 @@
+"""Checkpoints you can trust and move, on real DeepSpeed over gloo with a plain MLP (not one of the package's models).
+
+Three launches share the work: 4 ranks (ZeRO-3, hpZ 2) write checkpoints at steps 2 and 4 and rank 1 is killed while
+writing its optimizer shard at step 6; 2 ranks then meet damaged copies (each refused, the same way on every rank),
+resume ``ckpt_path="last"`` from the 4-rank checkpoint, and write ZeRO-2 checkpoints; 4 ranks resume those 2-rank
+checkpoints. Weights resumed on the new world size are compared with the consolidated checkpoint, bit for bit.
+"""
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_script
+
+from lightning_hpz.checkpoint import consolidate
+from lightning_hpz.checkpointing import read_manifest
+from lightning_hpz.checkpointing.manifest import file_digest
+
+DAMAGED_FILES = {
+    "model_states": "checkpoint/zero_pp_rank_0_mp_rank_00_model_states.pt",
+    "optimizer_shard": "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    "truncated_shard": "checkpoint/zero_pp_rank_2_mp_rank_00_optim_states.pt",
+}
+REFUSED_JOBS = ["model_states", "optimizer_shard", "truncated_shard", "stage_change"]
+
+
+@pytest.fixture(scope="module")
+def written(module_tmp):
+    """4 ranks write checkpoints at steps 2 and 4; rank 1 dies half-way through its shard at step 6."""
+    job = {"stage": 3, "hpz": 2, "max_steps": 8, "kill_rank": 1, "kill_step": 6}
+    options = {"devices": 4, "ckpt_dir": str(module_tmp / "ckpts"), "jobs": [job]}
+    run = run_script("checkpoint_training.py", options, module_tmp / "write", timeout=400)
+    ckpts = module_tmp / "ckpts"
+    # what a restarted job finds, before the later launches write into the same directory
+    after_crash = {
+        "entries": sorted(os.listdir(ckpts)),
+        "last_step": read_manifest(ckpts / "last.ckpt")["run"]["global_step"],
+    }
+    return run, ckpts, after_crash
+
+
+def _damaged_copies(ckpts: Path, root: Path) -> dict[str, Path]:
+    """Per case, a directory holding an intact step-2 checkpoint and a step-4 one damaged as the case says."""
+    copies = {}
+    for case in [*REFUSED_JOBS, "no_manifest"]:
+        for step in (2, 4):
+            shutil.copytree(ckpts / f"step={step}.ckpt", root / case / f"step={step}.ckpt")
+        copies[case] = root / case / "step=4.ckpt"
+    _flip_bit(copies["model_states"] / DAMAGED_FILES["model_states"])
+    _flip_bit(copies["optimizer_shard"] / DAMAGED_FILES["optimizer_shard"])
+    shard = copies["truncated_shard"] / DAMAGED_FILES["truncated_shard"]
+    os.truncate(shard, shard.stat().st_size // 2)
+    (copies["no_manifest"] / "hpz_manifest.json").unlink()
+    return copies
+
+
+def _flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def moved_down(written, module_tmp):
+    """2 ranks: refuse four damaged or mismatched copies, load an old one, resume "last", write ZeRO-2 checkpoints."""
+    run, ckpts, _ = written
+    assert run.returncode != 0, "rank 1 was meant to die mid-save"
+    copies = _damaged_copies(ckpts, module_tmp / "damaged")
+    jobs = [{"stage": 3, "max_steps": 6, "ckpt_path": str(copies[case])} for case in REFUSED_JOBS]
+    jobs[-1]["stage"] = 2
+    # its own directory: its saves must not become the "last" checkpoint the next job resumes
+    scratch = str(module_tmp / "ckpts_scratch")
+    jobs.append({"stage": 3, "max_steps": 5, "ckpt_path": str(copies["no_manifest"]), "ckpt_dir": scratch})
+    jobs.append({"stage": 3, "max_steps": 8, "ckpt_path": "last"})
+    jobs.append({"stage": 2, "max_steps": 4, "ckpt_dir": str(module_tmp / "ckpts_stage2")})
+    options = {"devices": 2, "ckpt_dir": str(ckpts), "jobs": jobs}
+    return run_script("checkpoint_training.py", options, module_tmp / "down", timeout=500), copies
+
+
+@pytest.fixture(scope="module")
+def moved_up(moved_down, written, module_tmp):
+    """4 ranks resume the 2-rank checkpoints: ZeRO-2, then ZeRO-3 with hpZ 2."""
+    _, ckpts, _ = written
+    jobs = [
+        {"stage": 2, "max_steps": 6, "ckpt_path": str(module_tmp / "ckpts_stage2" / "step=4.ckpt")},
+        {"stage": 3, "hpz": 2, "max_steps": 10, "ckpt_path": str(ckpts / "step=8.ckpt")},
+    ]
+    options = {"devices": 4, "ckpt_dir": str(module_tmp / "ckpts_up"), "jobs": jobs}
+    return run_script("checkpoint_training.py", options, module_tmp / "up", timeout=400)
+
+
+def _jobs(run, ranks: int) -> list[list[dict]]:
+    assert run.returncode == 0, run.output[-4000:]
+    assert sorted(run.ranks) == list(range(ranks)), run.output[-4000:]
+    return [run.ranks[rank]["jobs"] for rank in range(ranks)]
+
+
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint_resumable(written, moved_down):
+    jobs = _jobs(moved_down[0], 2)
+    resumed = [rank_jobs[5] for rank_jobs in jobs]
+    # "last" pointed at the step-4 checkpoint, not at the half-written step-6 one
+    assert [job["start_step"] for job in resumed] == [4, 4]
+    assert [job["end_step"] for job in resumed] == [8, 8]
+
+
+def test_killed_save_never_appears_at_its_path(written):
+    run, ckpts, _ = written
+    assert run.returncode != 0
+    assert read_manifest(ckpts / "step=4.ckpt")["run"]["global_step"] == 4
+
+
+@pytest.mark.parametrize("case", ["model_states", "optimizer_shard"])
+def test_flipped_bit_refused_naming_the_file(moved_down, case):
+    run, copies = moved_down
+    index = REFUSED_JOBS.index(case)
+    for rank_jobs in _jobs(run, 2):
+        error = rank_jobs[index]
+        assert error["error_type"] == "CheckpointIntegrityError"
+        assert str(copies[case] / DAMAGED_FILES[case]) in error["error"]
+        recorded = read_manifest(copies[case])["files"][DAMAGED_FILES[case]]["blake2b"]
+        found = file_digest(copies[case] / DAMAGED_FILES[case])["blake2b"]
+        assert f"with blake2b {recorded}, found" in error["error"] and f"with blake2b {found}" in error["error"]
+        assert (
+            f"last good checkpoint in {copies[case].parent} is {copies[case].parent / 'step=2.ckpt'}" in error["error"]
+        )
+
+
+def test_truncated_shard_reported_identically_on_all_ranks(moved_down):
+    run, copies = moved_down
+    errors = [rank_jobs[REFUSED_JOBS.index("truncated_shard")] for rank_jobs in _jobs(run, 2)]
+    assert errors[0] == errors[1]
+    shard = copies["truncated_shard"] / DAMAGED_FILES["truncated_shard"]
+    recorded = read_manifest(copies["truncated_shard"])["files"][DAMAGED_FILES["truncated_shard"]]
+    assert f"{shard}: expected {recorded['size']} bytes" in errors[0]["error"]
+    assert f"found {shard.stat().st_size} bytes" in errors[0]["error"]
+
+
+def test_stage_change_refused_naming_both_stages(moved_down):
+    errors = [rank_jobs[REFUSED_JOBS.index("stage_change")] for rank_jobs in _jobs(moved_down[0], 2)]
+    assert errors[0] == errors[1]
+    assert errors[0]["error_type"] == "CheckpointMismatchError"
+    assert "written with stage 3, this run uses stage 2" in errors[0]["error"]
+
+
+def test_checkpoint_without_manifest_loads_with_one_warning(moved_down):
+    jobs = _jobs(moved_down[0], 2)
+    old = jobs[0][len(REFUSED_JOBS)]
+    assert old["start_step"] == 4 and old["end_step"] == 5
+    assert sum("no integrity manifest" in warning for warning in old["warnings"]) == 1
+
+
+def _assert_weights_match(weights_file: Path, checkpoint_dir: Path, tmp: Path) -> None:
+    resumed = torch.load(weights_file)
+    consolidated = consolidate(checkpoint_dir, tmp / f"{checkpoint_dir.parent.name}-{checkpoint_dir.name}.pt")
+    state = consolidated["state_dict"]
+    assert sorted(resumed) == sorted(state)
+    assert all(torch.equal(resumed[name], state[name]) for name in state), "weights changed in the move"
+
+
+def test_four_to_two_ranks_resumes_identical_weights_and_trains(written, moved_down, module_tmp):
+    _, ckpts, _ = written
+    jobs = _jobs(moved_down[0], 2)
+    resumed_job = 5
+    _assert_weights_match(module_tmp / "down" / f"weights_job{resumed_job}.pt", ckpts / "step=4.ckpt", module_tmp)
+    losses = jobs[0][resumed_job]["losses"]
+    assert sorted(int(step) for step in losses) == [4, 5, 6, 7]
+    assert all(math.isfinite(loss) for loss in losses.values())
+    assert any("written on 4 ranks on 2 ranks" in w and "data order" in w for w in jobs[0][resumed_job]["warnings"])
+
+
+@pytest.mark.parametrize("job,stage,steps", [(0, 2, [4, 5]), (1, 3, [8, 9])])
+def test_two_to_four_ranks_resumes_identical_weights_and_trains(moved_up, written, module_tmp, job, stage, steps):
+    _, ckpts, _ = written
+    source = module_tmp / "ckpts_stage2" / "step=4.ckpt" if stage == 2 else ckpts / "step=8.ckpt"
+    assert read_manifest(source)["run"]["world_size"] == 2
+    jobs = _jobs(moved_up, 4)
+    _assert_weights_match(module_tmp / "up" / f"weights_job{job}.pt", source, module_tmp)
+    assert [rank_jobs[job]["start_step"] for rank_jobs in jobs] == [steps[0]] * 4
+    losses = jobs[0][job]["losses"]
+    assert sorted(int(step) for step in losses) == steps
+    assert all(math.isfinite(loss) for loss in losses.values())
