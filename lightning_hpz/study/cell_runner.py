@@ -134,16 +134,35 @@ def end_process_group(process: subprocess.Popen, grace_s: float = 60.0) -> None:
 
     After a clean exit of the command the other ranks may still be writing their records: they get ``grace_s``.
     """
+    descendants = _descendants(process.pid)  # torchrun starts each rank in a process group of its own
     if process.poll() is None:
         _signal_group(process.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=10)
+    for pid in descendants:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + (grace_s if process.poll() == 0 else 10.0)
     while _group_alive(process.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     _signal_group(process.pid, signal.SIGKILL)
     if process.poll() is None:
         process.wait(timeout=10)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc; none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
 
 
 def _group_alive(group: int) -> bool:

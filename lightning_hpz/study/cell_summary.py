@@ -36,11 +36,14 @@ def summarize_cell(
 def _memory(ranks: list[dict[str, Any]], prediction: dict[str, Any]) -> dict[str, Any]:
     """Peak above the baseline per rank; the largest one is what a rank needs (``memory_bytes``)."""
     increments = [r["memory"]["peak_bytes"] - r["memory"]["baseline_bytes"] for r in ranks]
+    settled = max(r["memory"]["settled_bytes"] - r["memory"]["baseline_bytes"] for r in ranks)
     measured = max(increments)
     predicted = prediction["device_bytes"]
     return {
         "memory_method": ranks[0]["memory"]["method"],
         "memory_bytes": measured,
+        "settled_bytes": settled,
+        "settled_over_predicted": settled / predicted if predicted else None,
         "memory_bytes_per_rank": increments,
         "baseline_bytes_per_rank": [r["memory"]["baseline_bytes"] for r in ranks],
         "peak_bytes_per_rank": [r["memory"]["peak_bytes"] for r in ranks],
