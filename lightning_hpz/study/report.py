@@ -35,6 +35,8 @@ def write_report(config: StudyConfig, records: list[dict[str, Any]], out: Path) 
         "## Cells",
         table,
         "## Memory per rank: measured against the planner",
+        "Slopes are least-squares fits over the model sizes: the fixed costs (engine buffers, communication "
+        "workspaces, code loaded during the first step) cancel in them, and what grows with the model remains.",
         slopes_table(records),
         "## Best strategy per model size",
         best_table(records, budget),
@@ -72,8 +74,8 @@ def _fmt(value: Optional[float], digits: int = 1) -> str:
 
 def cells_table(records: list[dict[str, Any]]) -> str:
     header = (
-        "| model | params (M) | strategy | micro-batch | precision | status | memory/rank (MiB) | predicted (MiB) "
-        "| measured/predicted | tokens/s | TFLOP/s/rank | step (s, median) | spread | final loss |"
+        "| model | params (M) | strategy | micro-batch | precision | status | peak/rank (MiB) | after last step (MiB) "
+        "| predicted (MiB) | peak/predicted | tokens/s | TFLOP/s/rank | step (s, median) | spread | final loss |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in records:
@@ -86,6 +88,7 @@ def cells_table(records: list[dict[str, Any]]) -> str:
             r["precision"],
             r["status"],
             _fmt(r["memory_bytes"] / MIB) if ok else "-",
+            _fmt(r["settled_bytes"] / MIB) if ok else "-",
             _fmt(r["predicted"]["device_bytes"] / MIB),
             _fmt(r.get("measured_over_predicted"), 2) if ok else "-",
             _fmt(r.get("tokens_per_s"), 0) if ok else "-",
@@ -98,9 +101,9 @@ def cells_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def memory_slope(records: list[dict[str, Any]]) -> Optional[tuple[float, float]]:
-    """Least-squares line memory = intercept + slope x parameters over ``records``: (bytes/param, intercept bytes)."""
-    points = [(r["parameters"], r["memory_bytes"]) for r in records if r["status"] == "ok"]
+def memory_slope(records: list[dict[str, Any]], key: str = "memory_bytes") -> Optional[tuple[float, float]]:
+    """Least-squares line ``key`` = intercept + slope x parameters over ``records``: (bytes/param, intercept bytes)."""
+    points = [(r["parameters"], r[key]) for r in records if r["status"] == "ok"]
     if len({p for p, _ in points}) < 2:
         return None
     mean_p = sum(p for p, _ in points) / len(points)
@@ -120,23 +123,26 @@ def series(records: list[dict[str, Any]]) -> dict[tuple[str, int, str], list[dic
 def slopes_table(records: list[dict[str, Any]]) -> str:
     """Per strategy: bytes per parameter the memory grows by across sizes (fixed costs cancel) against the planner."""
     header = (
-        "| strategy | micro-batch | precision | measured bytes/param (slope) | predicted bytes/param | slope/predicted "
-        "| fixed part (MiB, intercept) | measured/predicted, largest model |"
+        "| strategy | micro-batch | precision | predicted bytes/param | peak: bytes/param (slope) | peak: fixed MiB "
+        "| after last step: bytes/param (slope) | after last step: fixed MiB | largest model: peak/predicted "
+        "| largest model: after last step/predicted |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for (label, micro_batch, precision), group in series(records).items():
-        fit = memory_slope(group)
+        peak, settled = memory_slope(group), memory_slope(group, "settled_bytes")
         predicted = group[-1]["predicted"]["device_bytes"] / group[-1]["parameters"]
         largest = next((r for r in reversed(group) if r["status"] == "ok"), None)
         cells = [
             label,
             str(micro_batch),
             precision,
-            _fmt(fit[0] if fit else None, 2),
             _fmt(predicted, 2),
-            _fmt(fit[0] / predicted if fit else None, 2),
-            _fmt(fit[1] / MIB if fit else None),
+            _fmt(peak[0] if peak else None, 2),
+            _fmt(peak[1] / MIB if peak else None),
+            _fmt(settled[0] if settled else None, 2),
+            _fmt(settled[1] / MIB if settled else None),
             _fmt(largest["measured_over_predicted"], 2) if largest else "-",
+            _fmt(largest["settled_over_predicted"], 2) if largest else "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
