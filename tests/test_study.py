@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lightning_hpz.planning import ClusterLayout, ZeroSetup, memory_per_rank
 from lightning_hpz.study.cell_runner import FAILED, OK, CellRun
 from lightning_hpz.study.command import run_study, study_main
 from lightning_hpz.study.grid import expand_grid
@@ -275,3 +276,19 @@ def test_results_are_json_lines(tmp_path):
     run_study(config, tmp_path, runner=FakeRunner(), progress=False)
     lines = (tmp_path / RESULTS_FILE).read_text().splitlines()
     assert [json.loads(line)["cell_id"] for line in lines] == [c.cell_id for c in expand_grid(config)]
+
+
+def test_planner_counts_zero3s_reduce_bucket_and_what_is_freed_after_the_step():
+    layout, params = ClusterLayout(1, 2), 10**6
+    zero2 = memory_per_rank(params, ZeroSetup(2), layout, 4, 12, 4, reduce_bucket_elements=2e8)
+    assert zero2.reduce_buckets == 0  # stages 1-2 allocate their buckets during backward only
+    assert zero2.between_steps == zero2.parameters + zero2.optimizer_states  # gradients are dropped after the step
+    hpz = memory_per_rank(params, ZeroSetup(3, 2), layout, 4, 12, 4, reduce_bucket_elements=2e8)
+    assert hpz.reduce_buckets == 2e8 * 4
+    assert hpz.between_steps == hpz.total - hpz.secondary_shards  # ZeRO-3 keeps its gradient partitions
+    raw = study_dict(grid={"models": ["t5-tiny"], "strategies": ["zero3"], "micro_batch_sizes": [1]})
+    (cell,) = expand_grid(parse_study_config(raw))
+    on_cpu = predicted_memory(cell, parse_study_config(raw), params)
+    on_gpu = predicted_memory(cell, parse_study_config({**raw, "accelerator": "gpu"}), params)
+    # a CPU's resident set holds the bucket pages gradients were written to; a GPU allocates all of it
+    assert on_cpu["reduce_buckets_bytes"] == params * 4 and on_gpu["reduce_buckets_bytes"] == 2e8 * 4

@@ -23,31 +23,36 @@ def summarize_cell(
         "error": run.error,
         "wall_s": round(run.wall_s, 1),
         "log": run.log,
-        "predicted": prediction,
     }
     if run.status == OK and run.ranks:
-        record.update(_memory(run.ranks, prediction))
+        record.update(_memory(run.ranks))
         record.update(_speed(run.ranks))
         record["final_loss"] = statistics.fmean(r["losses"][-1] for r in run.ranks)
         record["losses_rank0"] = run.ranks[0]["losses"]
+    return with_prediction(record, prediction)
+
+
+def with_prediction(record: dict[str, Any], prediction: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with the planner's ``prediction`` and the measured/predicted ratios (recomputed for a report, so
+    that a study measured before a planner change is compared with the current planner)."""
+    record = {**record, "predicted": prediction}
+    if record["status"] == OK and "memory_bytes" in record:
+        record["measured_over_predicted"] = record["memory_bytes"] / prediction["device_bytes"]
+        record["settled_over_predicted"] = record["settled_bytes"] / prediction["between_steps_bytes"]
     return record
 
 
-def _memory(ranks: list[dict[str, Any]], prediction: dict[str, Any]) -> dict[str, Any]:
+def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Peak above the baseline per rank; the largest one is what a rank needs (``memory_bytes``)."""
     increments = [r["memory"]["peak_bytes"] - r["memory"]["baseline_bytes"] for r in ranks]
     settled = max(r["memory"]["settled_bytes"] - r["memory"]["baseline_bytes"] for r in ranks)
-    measured = max(increments)
-    predicted = prediction["device_bytes"]
     return {
         "memory_method": ranks[0]["memory"]["method"],
-        "memory_bytes": measured,
+        "memory_bytes": max(increments),
         "settled_bytes": settled,
-        "settled_over_predicted": settled / predicted if predicted else None,
         "memory_bytes_per_rank": increments,
         "baseline_bytes_per_rank": [r["memory"]["baseline_bytes"] for r in ranks],
         "peak_bytes_per_rank": [r["memory"]["peak_bytes"] for r in ranks],
-        "measured_over_predicted": measured / predicted if predicted else None,
     }
 
 

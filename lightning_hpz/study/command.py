@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_hpz.study.cell_runner import FAILED, CellRun, CellRunner, SubprocessCellRunner
-from lightning_hpz.study.cell_summary import summarize_cell
+from lightning_hpz.study.cell_summary import summarize_cell, with_prediction
 from lightning_hpz.study.grid import StudyCell, expand_grid
 from lightning_hpz.study.prediction import predicted_memory
 from lightning_hpz.study.results_log import StudyResumeError, append_result, finished_cells, read_results
@@ -69,7 +69,11 @@ def run_study(
             done[cell.cell_id] = record
             bar.update()
             bar.write(f"[study] {cell.cell_id}: {_outcome(record)}")
-    return [done[cell.cell_id] for cell in cells if cell.cell_id in done]
+    return [_with_current_prediction(config, cell, done[cell.cell_id]) for cell in cells if cell.cell_id in done]
+
+
+def _with_current_prediction(config: StudyConfig, cell: StudyCell, record: dict[str, Any]) -> dict[str, Any]:
+    return with_prediction(record, predicted_memory(cell, config, record["parameters"]))
 
 
 def run_cell(config: StudyConfig, cell: StudyCell, out: Path, runner: CellRunner) -> dict[str, Any]:

@@ -74,8 +74,9 @@ def _fmt(value: Optional[float], digits: int = 1) -> str:
 
 def cells_table(records: list[dict[str, Any]]) -> str:
     header = (
-        "| model | params (M) | strategy | micro-batch | precision | status | peak/rank (MiB) | after last step (MiB) "
-        "| predicted (MiB) | peak/predicted | tokens/s | TFLOP/s/rank | step (s, median) | spread | final loss |"
+        "| model | params (M) | strategy | micro-batch | precision | status | peak/rank (MiB) | predicted at step "
+        "| peak/predicted | after last step (MiB) | predicted between steps | after/predicted | tokens/s "
+        "| TFLOP/s/rank | step (s, median) | spread | final loss |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in records:
@@ -88,9 +89,11 @@ def cells_table(records: list[dict[str, Any]]) -> str:
             r["precision"],
             r["status"],
             _fmt(r["memory_bytes"] / MIB) if ok else "-",
-            _fmt(r["settled_bytes"] / MIB) if ok else "-",
             _fmt(r["predicted"]["device_bytes"] / MIB),
             _fmt(r.get("measured_over_predicted"), 2) if ok else "-",
+            _fmt(r["settled_bytes"] / MIB) if ok else "-",
+            _fmt(r["predicted"]["between_steps_bytes"] / MIB),
+            _fmt(r.get("settled_over_predicted"), 2) if ok else "-",
             _fmt(r.get("tokens_per_s"), 0) if ok else "-",
             _fmt(r.get("tflops_per_s_per_rank"), 4) if ok else "-",
             _fmt(r.get("step_time_median_s"), 2) if ok else "-",
@@ -123,14 +126,15 @@ def series(records: list[dict[str, Any]]) -> dict[tuple[str, int, str], list[dic
 def slopes_table(records: list[dict[str, Any]]) -> str:
     """Per strategy: bytes per parameter the memory grows by across sizes (fixed costs cancel) against the planner."""
     header = (
-        "| strategy | micro-batch | precision | predicted bytes/param | peak: bytes/param (slope) | peak: fixed MiB "
-        "| after last step: bytes/param (slope) | after last step: fixed MiB | largest model: peak/predicted "
-        "| largest model: after last step/predicted |"
+        "| strategy | micro-batch | precision | predicted at step, bytes/param | peak: bytes/param (slope) "
+        "| peak: fixed MiB | predicted between steps, bytes/param | after last step: bytes/param (slope) "
+        "| after last step: fixed MiB | largest model: peak/predicted | largest model: after/predicted |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for (label, micro_batch, precision), group in series(records).items():
         peak, settled = memory_slope(group), memory_slope(group, "settled_bytes")
         predicted = group[-1]["predicted"]["device_bytes"] / group[-1]["parameters"]
+        between = group[-1]["predicted"]["between_steps_bytes"] / group[-1]["parameters"]
         largest = next((r for r in reversed(group) if r["status"] == "ok"), None)
         cells = [
             label,
@@ -139,6 +143,7 @@ def slopes_table(records: list[dict[str, Any]]) -> str:
             _fmt(predicted, 2),
             _fmt(peak[0] if peak else None, 2),
             _fmt(peak[1] / MIB if peak else None),
+            _fmt(between, 2),
             _fmt(settled[0] if settled else None, 2),
             _fmt(settled[1] / MIB if settled else None),
             _fmt(largest["measured_over_predicted"], 2) if largest else "-",
