@@ -57,8 +57,9 @@ def setup_lines(config: StudyConfig, records: list[dict[str, Any]]) -> str:
         f"- {config.nodes} node(s) x {config.devices_per_node} {config.accelerator} device(s); {config.steps} steps "
         f"per cell, the first {config.warmup_steps} not measured; data: {config.data}.",
         f"- Memory per rank = peak - baseline, the baseline taken once the data is ready and before the model is "
-        f"built (method: {', '.join(methods) or 'none yet'}); the largest rank's value. Predicted = the planner's "
-        "model states on the device (parameters, gradients, optimizer states, hpZ secondary shards).",
+        f"built (method: {', '.join(methods) or 'none yet'}); the largest rank's value. Predicted at step = the "
+        "planner's model states on the device at the optimizer step (parameters, gradients, optimizer states, hpZ "
+        "secondary shards, ZeRO-3's reduce bucket); between steps = without what DeepSpeed frees after each step.",
         "- tokens/s: real tokens of all ranks over the measured steps; a step's time is its slowest rank's. "
         "Spread = (slowest - fastest step) / median step.",
     ]
