@@ -23,7 +23,12 @@ from lightning_hpz.study.study_config import StudyConfig, StudyConfigError, load
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lightning-hpz study", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="lightning-hpz study",
+        description="Run every cell of a scaling study (model x ZeRO strategy x micro-batch, from a YAML grid), each "
+        "in its own processes; results are appended to OUT/results.jsonl (a rerun resumes), then OUT/results.md and "
+        "plots are written. See docs/scaling-study.md.",
+    )
     parser.add_argument("--config", type=Path, required=True, help="study YAML, e.g. configs/study/cpu_small.yaml")
     parser.add_argument("--out", type=Path, help="results folder (default runs/study/<config name>)")
     parser.add_argument("--retry-failed", action="store_true", help="run again the cells recorded as not ok")
