@@ -39,6 +39,7 @@ TOOLS: dict[str, tuple[str, str, str]] = {
         "plan_main",
         "predict bytes, communication time and memory per rank for each ZeRO stage, hpZ and ZeRO++",
     ),
+    "study": ("lightning_hpz.study.command", "study_main", "scaling study: ZeRO stage x model x micro-batch"),
 }
 TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
 

@@ -1,0 +1,206 @@
+"""The study's markdown report: every cell, measured memory against the planner's, and the best strategy per size."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_hpz.study.cell_summary import fits
+from lightning_hpz.study.study_config import StudyConfig
+
+MIB = 2**20
+REPORT_FILE = "results.md"
+
+
+@dataclass
+class StudyReport:
+    table: str
+    markdown: str
+    plots: list[Path] = field(default_factory=list)
+
+
+def write_report(config: StudyConfig, records: list[dict[str, Any]], out: Path) -> StudyReport:
+    """Write ``results.md`` and the plots into ``out`` and return them."""
+    from lightning_hpz.study.plots import write_plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    budget = config.memory_budget_gib * 2**30 if config.memory_budget_gib else None
+    table = cells_table(records)
+    sections = [
+        f"# Scaling study `{config.name}`",
+        config.description.strip(),
+        setup_lines(config, records),
+        "## Cells",
+        table,
+        "## Memory per rank: measured against the planner",
+        "Slopes are least-squares fits over the model sizes: the fixed costs (engine buffers, communication "
+        "workspaces, code loaded during the first step) cancel in them, and what grows with the model remains.",
+        slopes_table(records),
+        "## Best strategy per model size",
+        best_table(records, budget),
+    ]
+    failures = failures_list(records)
+    if failures:
+        sections += ["## Cells that did not train", failures]
+    plots = write_plots(records, out, budget)
+    sections += ["## Plots", "\n".join(f"![{p.stem}]({p.name})" for p in plots)]
+    markdown = "\n\n".join(s for s in sections if s) + "\n"
+    (out / REPORT_FILE).write_text(markdown)
+    return StudyReport(table, markdown, plots)
+
+
+def setup_lines(config: StudyConfig, records: list[dict[str, Any]]) -> str:
+    methods = sorted({r["memory_method"] for r in records if "memory_method" in r})
+    lines = [
+        f"- {config.nodes} node(s) x {config.devices_per_node} {config.accelerator} device(s); {config.steps} steps "
+        f"per cell, the first {config.warmup_steps} not measured; data: {config.data}.",
+        f"- Memory per rank = peak - baseline, the baseline taken once the data is ready and before the model is "
+        f"built (method: {', '.join(methods) or 'none yet'}); the largest rank's value. Predicted at step = the "
+        "planner's model states on the device at the optimizer step (parameters, gradients, optimizer states, hpZ "
+        "secondary shards, ZeRO-3's reduce bucket); between steps = without what DeepSpeed frees after each step.",
+        "- tokens/s: real tokens of all ranks over the measured steps; a step's time is its slowest rank's. "
+        "Spread = (slowest - fastest step) / median step.",
+    ]
+    if config.memory_budget_gib:
+        budget = config.memory_budget_gib
+        lines.append(f"- A cell fits when it trained and its memory per rank is at most {budget} GiB.")
+    return "\n".join(lines)
+
+
+def _fmt(value: Optional[float], digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def cells_table(records: list[dict[str, Any]]) -> str:
+    header = (
+        "| model | params (M) | strategy | micro-batch | precision | status | peak/rank (MiB) | predicted at step "
+        "| peak/predicted | after last step (MiB) | predicted between steps | after/predicted | tokens/s "
+        "| TFLOP/s/rank | step (s, median) | spread | final loss |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in records:
+        ok = r["status"] == "ok"
+        cells = [
+            r["model"],
+            _fmt(r["parameters"] / 1e6, 2),
+            r["strategy_label"],
+            str(r["micro_batch_size"]),
+            r["precision"],
+            r["status"],
+            _fmt(r["memory_bytes"] / MIB) if ok else "-",
+            _fmt(r["predicted"]["device_bytes"] / MIB),
+            _fmt(r.get("measured_over_predicted"), 2) if ok else "-",
+            _fmt(r["settled_bytes"] / MIB) if ok else "-",
+            _fmt(r["predicted"]["between_steps_bytes"] / MIB),
+            _fmt(r.get("settled_over_predicted"), 2) if ok else "-",
+            _fmt(r.get("tokens_per_s"), 0) if ok else "-",
+            _fmt(r.get("tflops_per_s_per_rank"), 4) if ok else "-",
+            _fmt(r.get("step_time_median_s"), 2) if ok else "-",
+            f"{r['step_time_spread']:.0%}" if ok and r.get("step_time_spread") is not None else "-",
+            _fmt(r.get("final_loss"), 3) if ok else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def memory_slope(records: list[dict[str, Any]], key: str = "memory_bytes") -> Optional[tuple[float, float]]:
+    """Least-squares line ``key`` = intercept + slope x parameters over ``records``: (bytes/param, intercept bytes)."""
+    points = [(r["parameters"], r[key]) for r in records if r["status"] == "ok"]
+    if len({p for p, _ in points}) < 2:
+        return None
+    mean_p = sum(p for p, _ in points) / len(points)
+    mean_m = sum(m for _, m in points) / len(points)
+    slope = sum((p - mean_p) * (m - mean_m) for p, m in points) / sum((p - mean_p) ** 2 for p, _ in points)
+    return slope, mean_m - slope * mean_p
+
+
+def series(records: list[dict[str, Any]]) -> dict[tuple[str, int, str], list[dict[str, Any]]]:
+    """Records grouped by (strategy label, micro-batch, precision), each group ordered by model size."""
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        groups[(r["strategy_label"], r["micro_batch_size"], r["precision"])].append(r)
+    return {key: sorted(group, key=lambda r: r["parameters"]) for key, group in groups.items()}
+
+
+def slopes_table(records: list[dict[str, Any]]) -> str:
+    """Per strategy: bytes per parameter the memory grows by across sizes (fixed costs cancel) against the planner."""
+    header = (
+        "| strategy | micro-batch | precision | predicted at step, bytes/param | peak: bytes/param (slope) "
+        "| peak: fixed MiB | predicted between steps, bytes/param | after last step: bytes/param (slope) "
+        "| after last step: fixed MiB | largest model: peak/predicted | largest model: after/predicted |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for (label, micro_batch, precision), group in series(records).items():
+        peak, settled = memory_slope(group), memory_slope(group, "settled_bytes")
+        predicted = group[-1]["predicted"]["device_bytes"] / group[-1]["parameters"]
+        between = group[-1]["predicted"]["between_steps_bytes"] / group[-1]["parameters"]
+        largest = next((r for r in reversed(group) if r["status"] == "ok"), None)
+        cells = [
+            label,
+            str(micro_batch),
+            precision,
+            _fmt(predicted, 2),
+            _fmt(peak[0] if peak else None, 2),
+            _fmt(peak[1] / MIB if peak else None),
+            _fmt(between, 2),
+            _fmt(settled[0] if settled else None, 2),
+            _fmt(settled[1] / MIB if settled else None),
+            _fmt(largest["measured_over_predicted"], 2) if largest else "-",
+            _fmt(largest["settled_over_predicted"], 2) if largest else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def best_by_size(records: list[dict[str, Any]], budget: Optional[float]) -> list[dict[str, Any]]:
+    """Per (model, micro-batch, precision): the fastest and the leanest cell that fits, and how many fit."""
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        groups[(r["model"], r["micro_batch_size"], r["precision"])].append(r)
+    rows = []
+    for (model, micro_batch, precision), group in groups.items():
+        fitting = [r for r in group if fits(r, budget)]
+        rows.append(
+            {
+                "model": model,
+                "parameters": group[0]["parameters"],
+                "micro_batch_size": micro_batch,
+                "precision": precision,
+                "fastest": max(fitting, key=lambda r: r["tokens_per_s"]) if fitting else None,
+                "leanest": min(fitting, key=lambda r: r["memory_bytes"]) if fitting else None,
+                "fit": len(fitting),
+                "cells": len(group),
+            }
+        )
+    return sorted(rows, key=lambda row: (row["micro_batch_size"], row["precision"], row["parameters"]))
+
+
+def best_table(records: list[dict[str, Any]], budget: Optional[float]) -> str:
+    header = (
+        "| model | params (M) | micro-batch | precision | fastest that fits | tokens/s | its memory (MiB) "
+        "| leanest | its memory (MiB) | its tokens/s | cells that fit |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for row in best_by_size(records, budget):
+        fast, lean = row["fastest"], row["leanest"]
+        cells = [
+            row["model"],
+            _fmt(row["parameters"] / 1e6, 2),
+            str(row["micro_batch_size"]),
+            row["precision"],
+            fast["strategy_label"] if fast else "none",
+            _fmt(fast["tokens_per_s"], 0) if fast else "-",
+            _fmt(fast["memory_bytes"] / MIB) if fast else "-",
+            lean["strategy_label"] if lean else "none",
+            _fmt(lean["memory_bytes"] / MIB) if lean else "-",
+            _fmt(lean["tokens_per_s"], 0) if lean else "-",
+            f"{row['fit']}/{row['cells']}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def failures_list(records: list[dict[str, Any]]) -> str:
+    return "\n".join(f"- `{r['cell_id']}`: {r['status']}: {r['error']}" for r in records if r["status"] != "ok")
