@@ -20,8 +20,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hpz import config as cfg
+from lightning_hpz.callbacks.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz import partitioning
 from lightning_hpz.partitioning.ordering import SYNC_MODES
+from lightning_hpz.preemption import TrainingPreempted
 from lightning_hpz.resumable_loader import ResumableLoader
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,9 @@ class HpzStrategy(DeepSpeedStrategy):
             environment variable.
         verify_after_load: after loading a checkpoint or a state dict, check at the next training step that every
             secondary partition matches its primary partitions, and raise if not. Default True.
+        handle_preemption: on SIGTERM or SIGUSR1 (what schedulers send before they preempt), commit a checkpoint at
+            the next optimizer step and exit with code 75, resumable (adds a
+            :class:`~lightning_hpz.callbacks.PreemptionCheckpoint` unless the Trainer has one). Default True.
         exact_resume: make a resume from a mid-epoch checkpoint continue with the very batches the interrupted run
             would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader). Default True.
         config: a DeepSpeed config dict or JSON path, merged over the strategy's defaults (nested sections key by
@@ -66,6 +71,7 @@ class HpzStrategy(DeepSpeedStrategy):
         emulate_async_copy: Optional[bool] = None,
         verify_after_load: bool = True,
         exact_resume: bool = True,
+        handle_preemption: bool = True,
         config: Union[dict[str, Any], str, Path, None] = None,
         **kwargs: Any,
     ) -> None:
@@ -88,6 +94,7 @@ class HpzStrategy(DeepSpeedStrategy):
         )
         self.verify_after_load = verify_after_load
         self.exact_resume = exact_resume
+        self.handle_preemption = handle_preemption
         self.hpz_partition_size: Optional[int] = None  # resolved once the cluster layout is known
         self.copy_ordering: Optional[partitioning.CopyOrdering] = None
         self._verify_at_next_step = False
@@ -221,6 +228,8 @@ class HpzStrategy(DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        if isinstance(exception, TrainingPreempted):
+            return  # every rank saved and is leaving in step; nobody is blocked in a collective
         # Lightning's launcher only reaps its children when one of them fails; a failure on rank 0 would leave them
         # blocked in a collective until the process-group timeout. End them now.
         if isinstance(self.launcher, _SubprocessScriptLauncher) and getattr(self.launcher, "procs", None):
@@ -265,6 +274,8 @@ class HpzStrategy(DeepSpeedStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        if self.handle_preemption and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+            trainer.callbacks.append(PreemptionCheckpoint())
         super().setup(trainer)
         assert self.lightning_module is not None
         # A user's `load_state_dict` into the sharded model (inside GatheredParameters, often on one rank only) must

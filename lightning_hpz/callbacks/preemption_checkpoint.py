@@ -1,0 +1,129 @@
+"""``PreemptionCheckpoint``: on SIGTERM/SIGUSR1, commit a checkpoint at the next optimizer step and exit resumable."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_hpz import collectives
+from lightning_hpz.preemption import DEFAULT_SIGNALS, PREEMPTED_EXIT_CODE, PreemptionSignals, TrainingPreempted
+
+_HPC_CHECKPOINT = re.compile(r"^hpc_ckpt_(\d+)\.ckpt$")
+
+
+class PreemptionCheckpoint(Callback):
+    """Turn a preemption signal into a committed checkpoint and exit code 75 (``PREEMPTED_EXIT_CODE``).
+
+    The signal handler only records the signal. After every optimizer step the ranks agree (one all-reduce of a
+    scalar) whether any of them was signalled; if so, all save ``<default_root_dir>/hpc_ckpt_<N>.ckpt``, and the run
+    ends with :class:`~lightning_hpz.preemption.TrainingPreempted` (a ``SystemExit`` with code 75). Lightning resumes
+    from the newest such checkpoint by itself under SLURM, and with ``fit(ckpt_path="hpc")`` anywhere else. Under
+    SLURM with ``SLURMEnvironment(auto_requeue=True)`` (Lightning's default there) rank 0 also requeues the job.
+
+    ``HpzStrategy`` adds this callback unless told not to (``handle_preemption=False``); it works with any strategy.
+
+    Args:
+        signals: the signal names that mean "preempted". Default SIGTERM and SIGUSR1.
+        children_timeout: seconds the launching process waits for the ranks it started to finish after the save.
+    """
+
+    def __init__(self, signals: tuple[str, ...] = DEFAULT_SIGNALS, children_timeout: float = 120.0) -> None:
+        self.preemption = PreemptionSignals(tuple(signals))
+        self.children_timeout = children_timeout
+        self._step_at_batch_start = -1
+        self.checkpoint: Optional[str] = None
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning registers its own SIGTERM handler just before the training stage starts; replace it here.
+        self.preemption.install()
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_at_batch_start = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self._step_at_batch_start:
+            return  # inside a gradient-accumulation window: a checkpoint here would lose the accumulated gradients
+        (signalled,) = collectives.all_reduce_values([float(self.preemption.received is not None)], op="max")
+        if signalled and trainer.global_step < (trainer.max_steps if trainer.max_steps >= 0 else float("inf")):
+            self._preempt(trainer)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.preemption.uninstall()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.preemption.uninstall()
+
+    def _preempt(self, trainer: Trainer) -> None:
+        path = collectives.broadcast_object(next_preemption_checkpoint(trainer.default_root_dir))
+        trainer.save_checkpoint(path)  # every rank: a collective under sharded strategies
+        self.checkpoint = path
+        signal_name = self.preemption.name or "a signal on another rank"
+        message = (
+            f"Preempted by {signal_name} at step {trainer.global_step}: checkpoint committed at {path}. "
+            f"Exit code {PREEMPTED_EXIT_CODE} (resumable); resume with `fit(..., ckpt_path={path!r})` or "
+            "ckpt_path='hpc' (automatic under SLURM)."
+        )
+        rank_zero_info(message)
+        if trainer.is_global_zero:
+            _requeue_if_slurm(trainer)
+        self._wait_for_launched_ranks(trainer)
+        raise TrainingPreempted(message, path, code=_exit_code(trainer))
+
+    def _wait_for_launched_ranks(self, trainer: Trainer) -> None:
+        # Lightning's launcher (rank 0 of a node) started the node's other ranks; their exit must come first, or the
+        # launcher's child observer would see the main process vanish under them.
+        for process in getattr(trainer.strategy.launcher, "procs", None) or []:
+            try:
+                process.wait(timeout=self.children_timeout)
+            except subprocess.TimeoutExpired:
+                rank_zero_warn(f"Rank process {process.pid} did not exit {self.children_timeout:.0f} s after the save.")
+
+
+def next_preemption_checkpoint(root_dir: str | os.PathLike) -> str:
+    """``<root_dir>/hpc_ckpt_<N+1>.ckpt``: the name Lightning's SLURM auto-resume looks for (``ckpt_path='hpc'``)."""
+    root = Path(root_dir)
+    numbers = [int(m.group(1)) for p in (root.iterdir() if root.is_dir() else []) if (m := _HPC_CHECKPOINT.match(p.name))]
+    return str(root / f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt")
+
+
+def _exit_code(trainer: Trainer) -> int:
+    # Ranks that Lightning's own launcher started exit 0: its child observer kills the whole job, the launching
+    # process included, as soon as one child exits non-zero. The launching process reports the preemption for them.
+    launched_by_lightning = isinstance(trainer.strategy.cluster_environment, LightningEnvironment)
+    return 0 if launched_by_lightning and trainer.local_rank > 0 else PREEMPTED_EXIT_CODE
+
+
+def _requeue_if_slurm(trainer: Trainer) -> None:
+    environment = trainer.strategy.cluster_environment
+    if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
+        return
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if os.environ.get("SLURM_ARRAY_JOB_ID"):
+        job_id = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    if not re.fullmatch(r"[0-9_]+", job_id):
+        rank_zero_warn(f"Not requeueing: SLURM job id {job_id!r} is not a job id.")
+        return
+    try:
+        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        rank_zero_warn(f"Not requeueing SLURM job {job_id}: `scontrol` is not on PATH.")
+        return
+    if result.returncode:
+        rank_zero_warn(f"`scontrol requeue {job_id}` failed ({result.returncode}): {result.stderr.strip()}")
+    else:
+        rank_zero_info(f"Requeued SLURM job {job_id}.")
