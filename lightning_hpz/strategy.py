@@ -20,8 +20,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hpz import config as cfg
-from lightning_hpz.callbacks.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz import partitioning
+from lightning_hpz.callbacks.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.preemption import TrainingPreempted
 from lightning_hpz.resumable_loader import ResumableLoader

@@ -97,7 +97,8 @@ class PreemptionCheckpoint(Callback):
 def next_preemption_checkpoint(root_dir: str | os.PathLike) -> str:
     """``<root_dir>/hpc_ckpt_<N+1>.ckpt``: the name Lightning's SLURM auto-resume looks for (``ckpt_path='hpc'``)."""
     root = Path(root_dir)
-    numbers = [int(m.group(1)) for p in (root.iterdir() if root.is_dir() else []) if (m := _HPC_CHECKPOINT.match(p.name))]
+    names = [path.name for path in root.iterdir()] if root.is_dir() else []
+    numbers = [int(match.group(1)) for name in names if (match := _HPC_CHECKPOINT.match(name))]
     return str(root / f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt")
 
 
