@@ -23,8 +23,8 @@ from lightning_hpz import config as cfg
 from lightning_hpz import partitioning
 from lightning_hpz.callbacks.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz.partitioning.ordering import SYNC_MODES
-from lightning_hpz.preemption import TrainingPreempted
 from lightning_hpz.resumable_loader import ResumableLoader
+from lightning_hpz.run_exit import CoordinatedExit
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ class HpzStrategy(DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if isinstance(exception, TrainingPreempted):
+        if isinstance(exception, CoordinatedExit):
             return  # every rank saved and is leaving in step; nobody is blocked in a collective
         # Lightning's launcher only reaps its children when one of them fails; a failure on rank 0 would leave them
         # blocked in a collective until the process-group timeout. End them now.

@@ -16,7 +16,7 @@ import pytest
 from conftest import SCRIPTS
 
 from lightning_hpz.callbacks.preemption_checkpoint import next_preemption_checkpoint
-from lightning_hpz.preemption import PREEMPTED_EXIT_CODE, PreemptionSignals
+from lightning_hpz.run_exit import PREEMPTED_EXIT_CODE, PreemptionSignals
 
 pytestmark = pytest.mark.multiprocess
 

@@ -8,13 +8,13 @@ import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hpz import collectives
-from lightning_hpz.preemption import DEFAULT_SIGNALS, PREEMPTED_EXIT_CODE, PreemptionSignals, TrainingPreempted
+from lightning_hpz.run_exit import DEFAULT_SIGNALS, PREEMPTED_EXIT_CODE, PreemptionSignals, TrainingPreempted
 
 _HPC_CHECKPOINT = re.compile(r"^hpc_ckpt_(\d+)\.ckpt$")
 
@@ -32,12 +32,10 @@ class PreemptionCheckpoint(Callback):
 
     Args:
         signals: the signal names that mean "preempted". Default SIGTERM and SIGUSR1.
-        children_timeout: seconds the launching process waits for the ranks it started to finish after the save.
     """
 
-    def __init__(self, signals: tuple[str, ...] = DEFAULT_SIGNALS, children_timeout: float = 120.0) -> None:
+    def __init__(self, signals: tuple[str, ...] = DEFAULT_SIGNALS) -> None:
         self.preemption = PreemptionSignals(tuple(signals))
-        self.children_timeout = children_timeout
         self._step_at_batch_start = -1
         self.checkpoint: Optional[str] = None
 
@@ -81,17 +79,7 @@ class PreemptionCheckpoint(Callback):
         rank_zero_info(message)
         if trainer.is_global_zero:
             _requeue_if_slurm(trainer)
-        self._wait_for_launched_ranks(trainer)
-        raise TrainingPreempted(message, path, code=_exit_code(trainer))
-
-    def _wait_for_launched_ranks(self, trainer: Trainer) -> None:
-        # Lightning's launcher (rank 0 of a node) started the node's other ranks; their exit must come first, or the
-        # launcher's child observer would see the main process vanish under them.
-        for process in getattr(trainer.strategy.launcher, "procs", None) or []:
-            try:
-                process.wait(timeout=self.children_timeout)
-            except subprocess.TimeoutExpired:
-                rank_zero_warn(f"Rank process {process.pid} did not exit {self.children_timeout:.0f} s after the save.")
+        raise TrainingPreempted(message, trainer, path)
 
 
 def next_preemption_checkpoint(root_dir: str | os.PathLike) -> str:
@@ -100,13 +88,6 @@ def next_preemption_checkpoint(root_dir: str | os.PathLike) -> str:
     names = [path.name for path in root.iterdir()] if root.is_dir() else []
     numbers = [int(match.group(1)) for name in names if (match := _HPC_CHECKPOINT.match(name))]
     return str(root / f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt")
-
-
-def _exit_code(trainer: Trainer) -> int:
-    # Ranks that Lightning's own launcher started exit 0: its child observer kills the whole job, the launching
-    # process included, as soon as one child exits non-zero. The launching process reports the preemption for them.
-    launched_by_lightning = isinstance(trainer.strategy.cluster_environment, LightningEnvironment)
-    return 0 if launched_by_lightning and trainer.local_rank > 0 else PREEMPTED_EXIT_CODE
 
 
 def _requeue_if_slurm(trainer: Trainer) -> None:
