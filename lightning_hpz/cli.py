@@ -80,7 +80,7 @@ def refuse_run_that_trained_nothing(trainer: Trainer) -> None:
     """A fit that ran no optimizer step although steps were asked for ends non-zero, saying why."""
     from lightning_hpz.run_exit import NOTHING_TRAINED_EXIT_CODE, exit_code_for_rank
 
-    if trainer.global_step > 0 or trainer.max_steps == 0 or trainer.max_epochs == 0:
+    if trainer.global_step > 0 or 0 in (trainer.max_steps, trainer.max_epochs, trainer.limit_train_batches):
         return
     message = (
         f"Nothing was trained: fit ended after 0 optimizer steps (max_steps={trainer.max_steps}, "

@@ -73,7 +73,8 @@ class TrainingStopped(CoordinatedExit):
 
 def exit_code_for_rank(trainer: Any, code: int) -> int:
     """``code``, or 0 on a rank that Lightning's launcher started (its launching process reports for the node)."""
-    launched_by_lightning = isinstance(trainer.strategy.cluster_environment, LightningEnvironment)
+    environment = getattr(trainer.strategy, "cluster_environment", None)  # single-device strategies have none
+    launched_by_lightning = isinstance(environment, LightningEnvironment)
     return 0 if launched_by_lightning and trainer.local_rank > 0 else code
 
 

@@ -50,7 +50,9 @@ class TrainingSummary(L.Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self.losses.append(float(loss.detach()))
-        self.tokens += int(batch["input_ids"].numel()) * trainer.world_size
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        if isinstance(ids, torch.Tensor):  # token counts only where the batch says what its tokens are
+            self.tokens += int(ids.numel()) * trainer.world_size
 
     @rank_zero_only
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -96,7 +98,7 @@ class TrainingSummary(L.Callback):
         lines.append(
             f"  val perplexity  {perplexity:.2f}" if perplexity is not None else "  val perplexity  (no validation)"
         )
-        if "tokens_per_second" in summary:
+        if summary.get("tokens_per_second"):
             lines.append(f"  throughput      {summary['tokens_per_second']:,.0f} tokens/s (all ranks)")
         lines.append(f"  checkpoint      {summary['checkpoint'] or '(none saved)'}")
         lines.append(f"  summary         {summary['summary_file']}")
