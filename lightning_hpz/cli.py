@@ -10,7 +10,10 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
 
 TOOLS: dict[str, tuple[str, str, str]] = {
     "strategies": ("lightning_hpz.cli", "print_strategies", "list the strategy names registered by lightning_hpz"),
@@ -69,13 +72,30 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
 
     import lightning_hpz  # noqa: F401 - registers "hpz" and friends before the Trainer parses `strategy:`
 
-    LightningCLI(
+    cli = LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         args=list(argv),
-        save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
     )
+    if cli.subcommand == "fit":
+        refuse_run_that_trained_nothing(cli.trainer)
+
+
+def refuse_run_that_trained_nothing(trainer: Trainer) -> None:
+    """A fit that ran no optimizer step although steps were asked for ends non-zero, saying why."""
+    from lightning_hpz.run_exit import NOTHING_TRAINED_EXIT_CODE, exit_code_for_rank
+
+    if trainer.global_step > 0 or 0 in (trainer.max_steps, trainer.max_epochs, trainer.limit_train_batches):
+        return
+    message = (
+        f"Nothing was trained: fit ended after 0 optimizer steps (max_steps={trainer.max_steps}, "
+        f"{trainer.num_training_batches} training batches per epoch on each rank). Check that the data has at least "
+        "one global batch (batch size x devices x nodes x accumulate_grad_batches) and that limit_train_batches > 0."
+    )
+    if trainer.is_global_zero:
+        print(message, file=sys.stderr)
+    raise SystemExit(exit_code_for_rank(trainer, NOTHING_TRAINED_EXIT_CODE))
 
 
 def print_strategies(argv: Sequence[str] = ()) -> None:

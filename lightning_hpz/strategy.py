@@ -16,11 +16,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_hpz import data_order, epoch_end_checkpoint, partitioning, random_layers, rank_failure
+from lightning_hpz.callbacks.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz.checkpointing import commit, compatibility, resume
 from lightning_hpz.checkpointing.errors import CheckpointRefusedError
 from lightning_hpz.hpz_setup import HpzSetup
 from lightning_hpz.inference import inference_config
 from lightning_hpz.resumable_loader import ResumableLoader
+from lightning_hpz.run_exit import CoordinatedExit
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,9 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     ``config``) and of Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, plus:
 
     Args:
+        handle_preemption: on SIGTERM or SIGUSR1 (what schedulers send before they preempt), commit a checkpoint at
+            the next optimizer step and exit with code 75, resumable (adds a
+            :class:`~lightning_hpz.callbacks.PreemptionCheckpoint` unless the Trainer has one). Default True.
         exact_resume: make a resume from a mid-epoch checkpoint continue with the very batches the interrupted run
             would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader), and refuse a resume
             whose data order cannot repeat (``DataOrderError``; False: a warning). Default True.
@@ -49,12 +54,14 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         *,
         exact_resume: bool = True,
         failure_grace_period: float = rank_failure.DEFAULT_GRACE_PERIOD_S,
+        handle_preemption: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.exact_resume = exact_resume
         self.failure_grace_period = failure_grace_period
         self._resumed_data_order: Optional[dict[str, Any]] = None  # set by a checkpoint load, checked on the data
+        self.handle_preemption = handle_preemption
 
     # ----------------------------------------------------------------------------------------------- environment
     @override
@@ -119,8 +126,8 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if isinstance(exception, CheckpointRefusedError):
-            return  # every rank raises this same error itself: let each one report it
+        if isinstance(exception, (CoordinatedExit, CheckpointRefusedError)):
+            return  # every rank raises this itself, after the same collectives: nobody is blocked, each one reports
         # Peers would wait for this rank in their next collective until the timeout: release them (rank_failure.py).
         # The children of Lightning's subprocess launcher (its `procs`) still stuck after the grace period are killed.
         children = self.launcher.procs if isinstance(self.launcher, _SubprocessScriptLauncher) else None
@@ -167,6 +174,8 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        if self.handle_preemption and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+            trainer.callbacks.append(PreemptionCheckpoint())
         super().setup(trainer)
         self._watch_load_state_dict(self._hpz_module())
 

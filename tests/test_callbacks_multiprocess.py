@@ -13,15 +13,19 @@ import pytest
 from conftest import run_script
 
 from lightning_hpz.planning import ClusterLayout, ZeroSetup, traffic_per_step
+from lightning_hpz.run_exit import UNSTABLE_EXIT_CODE
 
 pytestmark = pytest.mark.multiprocess
 SCRIPT = "callback_training.py"
 
 
-def launch(out: Path, **options) -> dict:
+def launch(out: Path, expected_exit: int = 0, **options) -> dict:
     run = run_script(SCRIPT, options, out, timeout=420)
-    assert run.returncode == 0, run.output[-4000:]
-    return json.loads((out / "result.json").read_text())
+    assert run.returncode == expected_exit, run.output[-4000:]
+    result = json.loads((out / "result.json").read_text())
+    result["losses"] = {step: float(value) for step, value in result["losses"].items()}
+    result["output"] = run.output
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,7 @@ def skip_run(module_tmp):
 
 @pytest.fixture(scope="module")
 def stop_run(module_tmp):
-    return launch(module_tmp / "stop", action="stop", nan_at_step=5, steps=12)
+    return launch(module_tmp / "stop", UNSTABLE_EXIT_CODE, action="stop", nan_at_step=5, steps=12)
 
 
 def weights_after(result: dict, step: int) -> list[float]:
@@ -60,18 +64,29 @@ def test_rollback_restores_last_good_checkpoint_and_skips_the_bad_batch(module_t
     assert json.loads((out / "stability" / "skip_batches.json").read_text()) == [[0, 6]]
 
 
-def test_stop_saves_a_checkpoint_and_ends_every_rank(stop_run):
+def test_stop_saves_a_checkpoint_and_ends_every_rank_with_a_nonzero_exit(stop_run):
+    assert stop_run["exit_code"] == UNSTABLE_EXIT_CODE  # the launch itself exited 3 (asserted in `launch`)
     assert stop_run["global_step"] == 6  # the bad step 5 was the last one
     assert Path(stop_run["stop_checkpoint"]).is_dir()
     assert weights_after(stop_run, 5) == weights_after(stop_run, 4)  # the bad update was dropped before saving
+    assert stop_run["stability_summary"]["stopped"]
+    last_lines = "\n".join(stop_run["output"].strip().splitlines()[-15:])
+    assert "Training stopped by LossStabilityMonitor at step 5: nonfinite_loss" in last_lines
 
 
-def test_stop_checkpoint_resumes(stop_run, module_tmp):
-    result = launch(module_tmp / "resume", action="warn", steps=9, resume_from=stop_run["stop_checkpoint"])
+def test_stop_checkpoint_resumes_and_warn_counts_the_update_the_engine_dropped(stop_run, module_tmp):
+    # action="warn" asks for nothing to be skipped, but DeepSpeed's overflow guard drops the NaN step 7 by itself
+    result = launch(
+        module_tmp / "resume", action="warn", steps=9, nan_at_step=7, resume_from=stop_run["stop_checkpoint"]
+    )
     assert result["global_step"] == 9
     assert sorted(result["losses"], key=int) == ["6", "7", "8"]
     assert result["final_weights_finite"]
-    assert all(math.isfinite(v) for v in result["losses"].values())
+    assert math.isnan(result["losses"]["7"]) and math.isfinite(result["losses"]["8"])
+    summary = result["stability_summary"]
+    assert [s["step"] for s in summary["skipped_batches"]] == [5]  # the stopped run's; at step 7 it skipped nothing
+    assert summary["updates_dropped_by_engine"] == 1  # ... and says what really happened
+    assert result["engine_skipped_steps"] == 2  # step 5 of the stopped run, restored with its checkpoint, and step 7
 
 
 def logged_metrics(out: Path) -> list[dict]:

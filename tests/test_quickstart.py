@@ -90,4 +90,4 @@ def test_quickstart_trains_and_reports(tmp_path):
     assert 1 < summary["val_perplexity"] < 384  # better than uniform over the tiny vocabulary
     assert summary["tokens_per_second"] > 0
     assert (tmp_path / summary["checkpoint"]).is_dir()  # a sharded DeepSpeed checkpoint
-    assert "training summary (40 steps)" in completed.stdout
+    assert "training summary (40 steps, completed)" in completed.stdout

@@ -22,6 +22,7 @@ from lightning_hpz.callbacks.stability_detection import (
     _decide,
 )
 from lightning_hpz.callbacks.stability_report import plot_loss_curve, stability_summary, write_summary
+from lightning_hpz.run_exit import TrainingStopped
 
 
 class UpdateNotSkippedError(RuntimeError):
@@ -108,6 +109,8 @@ class LossStabilityMonitor(Callback):
         self._step_events: list[StabilityEvent] = []
         self._clear_gradients = False
         self._local_grad_norm: Optional[float] = None
+        self._engine_skipped_at_start = 0
+        self._stop_reason = ""
 
     # ------------------------------------------------------------------------------------------------ hooks
     @override
@@ -117,11 +120,6 @@ class LossStabilityMonitor(Callback):
         skip_file = self.dirpath / "skip_batches.json"
         if skip_file.is_file():
             self.skip_batches |= {tuple(key) for key in json.loads(skip_file.read_text())}
-
-    @override
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.action == "rollback":
-            self._save_good_checkpoint(trainer, trainer.global_step)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -176,17 +174,34 @@ class LossStabilityMonitor(Callback):
         if decision.rollback:
             self._rollback(trainer)
         elif decision.stop:
+            self._stop_reason = ", ".join(e.kind for e in events) or "instability"
             self._stop(trainer)
         elif self._should_save_good_checkpoint(events):
             self._save_good_checkpoint(trainer, self._step + 1)
 
     @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._engine_skipped_at_start = _engine_skipped_steps(trainer)
+        if self.action == "rollback":
+            self._save_good_checkpoint(trainer, trainer.global_step)
+
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not trainer.is_global_zero:
-            return
+        if trainer.is_global_zero:
+            self._write_report(trainer)
+        if self.stop_checkpoint is not None:  # the same decision on every rank: all leave with the same exit code
+            message = (
+                f"Training stopped by LossStabilityMonitor at step {self._step}: {self._stop_reason}. Checkpoint "
+                f"before the instability: {self.stop_checkpoint}. Details: {self.dirpath}"
+            )
+            rank_zero_warn(message)
+            raise TrainingStopped(message, trainer, self.stop_checkpoint)
+
+    def _write_report(self, trainer: Trainer) -> None:
         if self.skip_batches:
             self._write_skip_batches()
         assert self.dirpath is not None
+        dropped = _engine_skipped_steps(trainer)
         summary = stability_summary(
             events=self.events,
             max_loss_zscore=self.state.loss.max_zscore,
@@ -195,16 +210,20 @@ class LossStabilityMonitor(Callback):
             skipped=self.skipped,
             stop_checkpoint=self.stop_checkpoint,
             steps_observed=len(self.losses),
+            updates_dropped_by_engine=None if dropped is None else dropped - self._engine_skipped_at_start,
         )
         write_summary(self.dirpath / "stability_summary.json", summary)
         if self.plot:
             rollback_steps = [r["step"] for r in self.rollbacks]
             plot_loss_curve(self.dirpath / "loss_curve.png", self.losses, self.events, rollback_steps)
+        engine_note = (
+            "" if dropped is None else f", {summary['updates_dropped_by_engine']} updates dropped by the engine"
+        )
         rank_zero_info(
             f"Stability: {summary['nonfinite_losses']} non-finite losses, {summary['loss_spikes']} loss spikes "
             f"(max z {summary['max_loss_zscore']}), {summary['grad_norm_spikes']} gradient-norm spikes, "
             f"{summary['divergences']} divergences, {len(self.rollbacks)} rollbacks, {len(self.skipped)} skipped "
-            f"batches. Details: {self.dirpath}"
+            f"batches{engine_note}. Details: {self.dirpath}"
         )
 
     @override
@@ -292,6 +311,14 @@ class LossStabilityMonitor(Callback):
     def _mean_over_ranks(trainer: Trainer, value: torch.Tensor) -> float:
         reduced = trainer.strategy.reduce(value.clone(), reduce_op="mean")
         return float(reduced)
+
+
+def _engine_skipped_steps(trainer: Trainer) -> Optional[int]:
+    """Optimizer steps DeepSpeed's overflow guard discarded since the engine started (restored from checkpoints)."""
+    engine = (
+        getattr(trainer.strategy, "deepspeed_engine", None) if isinstance(trainer.strategy, DeepSpeedStrategy) else None
+    )
+    return int(getattr(engine, "skipped_steps", 0))
 
 
 def _merge(first: StabilityDecision, second: StabilityDecision) -> StabilityDecision:

@@ -27,6 +27,7 @@ def stability_summary(
     skipped: Sequence[dict[str, Any]],
     stop_checkpoint: str | None,
     steps_observed: int,
+    updates_dropped_by_engine: int | None = None,
 ) -> dict[str, Any]:
     def count(kind: str) -> int:
         return sum(e.kind == kind for e in events)
@@ -41,6 +42,9 @@ def stability_summary(
         "max_grad_norm_zscore": round(max_grad_norm_zscore, 3),
         "rollbacks": list(rollbacks),
         "skipped_batches": list(skipped),
+        # what really happened: DeepSpeed's overflow guard can drop updates the monitor did not ask it to (None when
+        # the strategy is not DeepSpeed's)
+        "updates_dropped_by_engine": updates_dropped_by_engine,
         "stopped": stop_checkpoint is not None,
         "stop_checkpoint": stop_checkpoint,
         "events": [{"kind": e.kind, "step": e.step, "value": _json_float(e.value), "zscore": e.zscore} for e in events],

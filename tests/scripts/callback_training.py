@@ -137,16 +137,24 @@ def main(options: dict) -> None:
     )
     model = TinyLanguageModel(nan_at_step=options.get("nan_at_step", -1))
     data = DataLoader(PaddedTokens(), batch_size=options.get("batch_size", 8), shuffle=True)
-    trainer.fit(model, data, ckpt_path=options.get("resume_from"))
+    try:
+        trainer.fit(model, data, ckpt_path=options.get("resume_from"))
+        exit_code = 0
+    except SystemExit as ended:  # LossStabilityMonitor(action="stop") ends fit with a documented exit code
+        exit_code = ended.code
     final = full_weights(model)
     # (steps,) real tokens of every rank per step, counted by the model itself, not by the monitor
     real_tokens = trainer.strategy.reduce(
         torch.tensor(model.real_tokens_per_step, dtype=torch.float64), reduce_op="sum"
     )
     if trainer.global_rank != 0:
-        return
+        sys.exit(exit_code)
+    summary_file = out / "stability" / "stability_summary.json"
     record = {
-        "losses": {str(k): v for k, v in model.losses.items()},
+        "exit_code": exit_code,
+        "stability_summary": json.loads(summary_file.read_text()) if summary_file.is_file() else None,
+        "engine_skipped_steps": trainer.strategy.deepspeed_engine.skipped_steps,
+        "losses": {str(k): str(v) for k, v in model.losses.items()},
         "global_step": trainer.global_step,
         "final_weights_finite": all(math.isfinite(w) for w in final),
         "after_step": {str(k): v for k, v in recorder.after_step.items()},
@@ -162,6 +170,7 @@ def main(options: dict) -> None:
         "parameters": sum(p.ds_numel for p in model.parameters()),
     }
     (out / "result.json").write_text(json.dumps(record))
+    sys.exit(exit_code)
 
 
 if __name__ == "__main__":
