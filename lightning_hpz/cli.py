@@ -61,7 +61,9 @@ def usage() -> str:
 def run_lightning_cli(argv: Sequence[str]) -> None:
     from lightning.pytorch.cli import LightningCLI
 
-    import lightning_hpz  # noqa: F401 - registers "hpz" and friends before the Trainer parses `strategy:`
+    from lightning_hpz.registration import register_now
+
+    register_now()  # "hpz" and friends, before the Trainer parses `strategy:`
 
     LightningCLI(
         subclass_mode_model=True,
@@ -74,7 +76,7 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
 
 def print_strategies(argv: Sequence[str] = ()) -> None:
     """Print each strategy name lightning_hpz registers, with its description."""
-    from lightning_hpz.strategy import STRATEGY_PRESETS
+    from lightning_hpz.strategy_presets import STRATEGY_PRESETS
 
     width = max(len(name) for name, _, _ in STRATEGY_PRESETS)
     for name, description, _ in STRATEGY_PRESETS:

@@ -23,6 +23,7 @@ from lightning_hpz import config as cfg
 from lightning_hpz import partitioning
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.resumable_loader import ResumableLoader
+from lightning_hpz.strategy_presets import STRATEGY_PRESETS
 
 log = logging.getLogger(__name__)
 
@@ -282,38 +283,6 @@ class HpzStrategy(DeepSpeedStrategy):
                 strategy_registry.register(name, cls, description=description, **kwargs)
 
 
-STRATEGY_PRESETS: list[tuple[str, str, dict[str, Any]]] = [
-    ("hpz", "ZeRO-3 + hpZ (secondary partition = devices per node), stabilized; CPU and GPU", {}),
-    (
-        "hpz_offload",
-        "ZeRO-3 + hpZ with optimizer states offloaded to CPU memory",
-        {"offload_optimizer": True},
-    ),
-    (
-        "zeropp",
-        "full ZeRO++: ZeRO-3 + hpZ + qwZ (int8 weight gather) + qgZ (quantized gradients); CUDA only",
-        {"quantized_weights": True, "quantized_gradients": True},
-    ),
-    ("zero1", "ZeRO stage 1 (optimizer states sharded); CPU and GPU", {"stage": 1, "hpz_partition_size": 1}),
-    (
-        "zero2",
-        "ZeRO stage 2 (optimizer states + gradients sharded); CPU and GPU",
-        {"stage": 2, "hpz_partition_size": 1},
-    ),
-    (
-        "zero2_offload",
-        "ZeRO stage 2 with optimizer states offloaded to CPU",
-        {"stage": 2, "hpz_partition_size": 1, "offload_optimizer": True},
-    ),
-    ("zero3", "plain ZeRO stage 3 (everything sharded, hpZ off); CPU and GPU", {"stage": 3, "hpz_partition_size": 1}),
-    (
-        "zero3_offload",
-        "plain ZeRO stage 3 with parameters and optimizer states offloaded to CPU",
-        {"stage": 3, "hpz_partition_size": 1, "offload_optimizer": True, "offload_parameters": True},
-    ),
-]
-
-
 def _use_deepspeed_cpu_accelerator() -> None:
     """Lightning trains on CPU: make DeepSpeed's accelerator agree, also on a machine that has a GPU."""
     from deepspeed.accelerator import get_accelerator, set_accelerator
@@ -336,3 +305,7 @@ def _quiet_deepspeed_deprecations() -> None:
 
 def register() -> None:
     HpzStrategy.register_strategies(StrategyRegistry)
+
+
+# Importing the strategy registers its names; lightning_hpz.registration imports it as soon as Lightning is loaded.
+register()

@@ -1,5 +1,13 @@
 """Stabilized hierarchical partitioning: the only package that touches DeepSpeed internals."""
 
+import os
+
+import torch
+
+# Without a GPU, tell DeepSpeed so before it is imported: it then skips probing for one (and warning about it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
 from lightning_hpz.partitioning.deepspeed_patch import IncompatibleDeepSpeedError, install, uninstall
 from lightning_hpz.partitioning.emulation import EMULATION_ENV_VAR, emulation_requested
 from lightning_hpz.partitioning.ordering import SYNC_MODES, CopyOrdering

@@ -1,0 +1,29 @@
+"""The tool commands answer without importing torch, Lightning or DeepSpeed; the package still registers its names."""
+
+import json
+import subprocess
+import sys
+
+HEAVY = ("torch", "lightning", "deepspeed", "transformers")
+
+
+def _heavy_modules_after(code: str) -> list[str]:
+    report = f"import json, sys; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    result = subprocess.run([sys.executable, "-c", f"{code}\n{report}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_help_and_strategies_import_nothing_heavy():
+    code = "from lightning_hpz.cli import main\nmain(['--help'])\nmain(['strategies'])"
+    assert _heavy_modules_after(code) == []
+
+
+def test_importing_the_package_imports_nothing_heavy():
+    assert _heavy_modules_after("import lightning_hpz") == []
+
+
+def test_names_are_registered_whichever_is_imported_first():
+    lookup = "from lightning.pytorch.strategies import StrategyRegistry\nassert 'hpz' in StrategyRegistry"
+    for imports in ("import lightning_hpz\nimport lightning", "import lightning\nimport lightning_hpz"):
+        assert "lightning" in _heavy_modules_after(f"{imports}\n{lookup}")
