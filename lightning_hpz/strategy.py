@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_hpz import config as cfg
 from lightning_hpz import partitioning
+from lightning_hpz.comm_op_launcher import CommOpFirstLauncher
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.resumable_loader import ResumableLoader
 from lightning_hpz.strategy_presets import STRATEGY_PRESETS
@@ -105,6 +106,8 @@ class HpzStrategy(DeepSpeedStrategy):
         # Called while the Trainer is built, before any process is launched: the place for every layout check.
         self._resolve_layout()
         super()._configure_launcher()
+        if self.on_cpu and type(self._launcher) is _SubprocessScriptLauncher:
+            self._launcher = CommOpFirstLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _resolve_layout(self) -> None:
         settings = self.zero_settings
@@ -143,6 +146,7 @@ class HpzStrategy(DeepSpeedStrategy):
         _quiet_deepspeed_deprecations()
         if self.on_cpu:
             _use_deepspeed_cpu_accelerator()
+            partitioning.prepare_cpu_comm_op()  # no-op when the launcher did it; torchrun-started ranks need it
             DDPStrategy.setup_environment(self)  # Lightning's DeepSpeedStrategy refuses anything but CUDA here
         else:
             super().setup_environment()

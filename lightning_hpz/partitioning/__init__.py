@@ -8,6 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from lightning_hpz.partitioning.cpu_comm_op import prepare_cpu_comm_op
 from lightning_hpz.partitioning.deepspeed_patch import IncompatibleDeepSpeedError, install, uninstall
 from lightning_hpz.partitioning.emulation import EMULATION_ENV_VAR, emulation_requested
 from lightning_hpz.partitioning.ordering import SYNC_MODES, CopyOrdering
@@ -30,6 +31,7 @@ __all__ = [
     "count_secondary_partitions",
     "emulation_requested",
     "install",
+    "prepare_cpu_comm_op",
     "refresh_secondary_partitions",
     "uninstall",
 ]
