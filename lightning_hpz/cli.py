@@ -65,13 +65,22 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
 
     register_now()  # "hpz" and friends, before the Trainer parses `strategy:`
 
-    LightningCLI(
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=list(argv),
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
-    )
+    from lightning_hpz.cli_errors import user_facing_message
+
+    try:
+        LightningCLI(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            # None when argv is the command line itself: LightningCLI warns when given sys.argv as `args`
+            args=None if list(argv) == sys.argv[1:] else list(argv),
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+        )
+    except Exception as error:
+        message = user_facing_message(error)
+        if message is None:
+            raise
+        sys.exit(f"\nlightning-hpz {argv[0]}: error: {message}")
 
 
 def print_strategies(argv: Sequence[str] = ()) -> None:
