@@ -60,7 +60,7 @@ class HpzStrategy(DeepSpeedStrategy):
 
     def __init__(
         self,
-        stage: Optional[int] = None,
+        stage: int = cfg.DEFAULT_STAGE,
         hpz_partition_size: Union[int, str, None] = None,
         quantized_weights: Optional[bool] = None,
         quantized_gradients: Optional[bool] = None,
@@ -91,6 +91,7 @@ class HpzStrategy(DeepSpeedStrategy):
         self.verify_after_load = verify_after_load
         self.exact_resume = exact_resume
         self.hpz_partition_size: Optional[int] = None  # resolved once the cluster layout is known
+        self.preset_name: Optional[str] = None  # the registered name it was built from, for messages
         self.copy_ordering: Optional[partitioning.CopyOrdering] = None
         self._verify_at_next_step = False
         self.secondary_checks_run = 0
@@ -129,6 +130,12 @@ class HpzStrategy(DeepSpeedStrategy):
     def _refuse_quantization_without_cuda(self) -> None:
         if isinstance(self.accelerator, CUDAAccelerator) or self.accelerator is None:
             return
+        if self.preset_name == "zeropp":
+            raise cfg.HpzConfigurationError(
+                "strategy='zeropp' (full ZeRO++: hpZ + qwZ + qgZ) needs CUDA: DeepSpeed has no "
+                f"{type(self.accelerator).__name__} kernels for its quantized communication. Use strategy='hpz' "
+                "(ZeRO-3 + hpZ, no quantization) here, or train on GPUs."
+            )
         for name in ("quantized_weights", "quantized_gradients"):
             if getattr(self.zero_settings, name):
                 raise cfg.HpzConfigurationError(
@@ -284,7 +291,18 @@ class HpzStrategy(DeepSpeedStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name, description, kwargs in STRATEGY_PRESETS:
             if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, **kwargs)
+                strategy_registry.register(name, _built_as(cls, name), description=description, **kwargs)
+
+
+def _built_as(cls: type[HpzStrategy], preset_name: str) -> Any:
+    """What the registry calls for a name: the strategy, remembering the name so messages can use it."""
+
+    def build(**kwargs: Any) -> HpzStrategy:
+        strategy = cls(**kwargs)
+        strategy.preset_name = preset_name
+        return strategy
+
+    return build
 
 
 def _use_deepspeed_cpu_accelerator() -> None:
