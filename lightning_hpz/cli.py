@@ -19,6 +19,11 @@ TOOLS: dict[str, tuple[str, str, str]] = {
         "consolidate_main",
         "merge a sharded DeepSpeed checkpoint into one fp32 state-dict file",
     ),
+    "export": (
+        "lightning_hpz.hf_export",
+        "export_main",
+        "write a training checkpoint as a Hugging Face model directory with its tokenizer",
+    ),
     "bench": (
         "lightning_hpz.bench.command",
         "bench_main",

@@ -56,6 +56,7 @@ class TrainingSummary(L.Callback):
         summary["val_perplexity"] = float(perplexity) if perplexity is not None else None
         checkpoint = trainer.checkpoint_callback
         summary["checkpoint"] = (checkpoint.last_model_path or checkpoint.best_model_path) if checkpoint else None
+        summary["export_dir"] = getattr(pl_module, "hparams", {}).get("export_dir")
         print(self.format(summary))
         if self.summary_file:
             Path(self.summary_file).parent.mkdir(parents=True, exist_ok=True)
@@ -71,4 +72,6 @@ class TrainingSummary(L.Callback):
             f"  throughput      {summary['tokens_per_second']:,.0f} tokens/s (all ranks)",
             f"  checkpoint      {summary['checkpoint'] or '(none saved)'}",
         ]
+        if summary.get("export_dir"):
+            lines.append(f"  exported to     {summary['export_dir']} (Hugging Face model + tokenizer)")
         return "\n".join(lines)
