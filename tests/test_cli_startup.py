@@ -14,8 +14,8 @@ def _heavy_modules_after(code: str) -> list[str]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_help_and_strategies_import_nothing_heavy():
-    code = "from lightning_hpz.cli import main\nmain(['--help'])\nmain(['strategies'])"
+def test_help_strategies_and_presets_import_nothing_heavy():
+    code = "from lightning_hpz.cli import main\nmain(['--help'])\nmain(['strategies'])\nmain(['presets'])"
     assert _heavy_modules_after(code) == []
 
 
