@@ -19,6 +19,15 @@ def test_help_strategies_and_presets_import_nothing_heavy():
     assert _heavy_modules_after(code) == []
 
 
+def test_tool_help_imports_nothing_heavy():
+    code = (
+        "from lightning_hpz.cli import main\n"
+        "for tool in ('bench', 'plan', 'export', 'consolidate'):\n"
+        "    try:\n        main([tool, '--help'])\n    except SystemExit as done:\n        assert not done.code"
+    )
+    assert _heavy_modules_after(code) == []
+
+
 def test_importing_the_package_imports_nothing_heavy():
     assert _heavy_modules_after("import lightning_hpz") == []
 
