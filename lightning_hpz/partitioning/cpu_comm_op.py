@@ -24,6 +24,7 @@ OP_NAME = "deepspeed_shm_comm"
 # (A build that only loads an up-to-date op holds the lock well under a second; a real build has a compiler running.)
 STALE_LOCK_AGE_S = 10.0
 POLL_S = 1.0
+REBUILD_NOTICE_S = 20.0  # loading an up-to-date op takes seconds; a compile takes minutes
 
 Announce = Callable[[str], None]
 
@@ -34,7 +35,10 @@ def prepare_cpu_comm_op(announce: Announce = print) -> str:
     with exclusive_lock(directory / "lightning_hpz.flock"):
         wait_for_torch_build_lock(directory / "lock", announce)
         if (directory / f"{OP_NAME}.so").exists():
-            _load()
+            start = time.perf_counter()
+            _load()  # torch rebuilds here, silently, when DeepSpeed's sources or the build flags changed
+            if time.perf_counter() - start > REBUILD_NOTICE_S:
+                announce(f"lightning_hpz: rebuilt {OP_NAME} in {time.perf_counter() - start:.0f} s (sources changed).")
             return "loaded"
         missing = missing_build_tools()
         if missing:
