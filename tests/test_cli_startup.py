@@ -34,5 +34,6 @@ def test_importing_the_package_imports_nothing_heavy():
 
 def test_names_are_registered_when_lightning_is_imported_after_the_package():
     # the other order (Lightning first) registers at `import lightning_hpz`, as every in-process test here does
-    code = "import lightning_hpz\nfrom lightning.pytorch.strategies import StrategyRegistry\nassert 'hpz' in StrategyRegistry"
+    code = "import lightning_hpz\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
+    code += "assert 'hpz' in StrategyRegistry"
     assert "lightning" in _heavy_modules_after(code)
