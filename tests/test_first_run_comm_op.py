@@ -68,3 +68,18 @@ def test_stale_lock_does_not_hang_a_run(extensions_with_stale_lock, tmp_path):
     assert_succeeded(run, ranks=2)
     assert f"removed the stale build lock {lock}" in run.output
     assert not lock.exists()
+
+
+def test_without_a_compiler_deepspeed_falls_back_to_gloo(tmp_path):
+    # a fresh extensions dir (nothing built) and no compiler: the op is switched off, and DeepSpeed then skips it
+    code = (
+        "from lightning_hpz.partitioning import prepare_cpu_comm_op\n"
+        "from deepspeed.comm.torch import build_shm_op\n"
+        "print(prepare_cpu_comm_op(), build_shm_op())"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "no-such-compiler-xyz", "DS_ACCELERATOR": "cpu"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "'no-such-compiler-xyz' not found" in result.stdout and "apt-get install g++" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "disabled None"
+    assert not (tmp_path / OP / f"{OP}.so").exists()
