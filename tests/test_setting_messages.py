@@ -7,6 +7,9 @@ import yaml
 from lightning_hpz import HpzConfigurationError, HpzStrategy
 from lightning_hpz.cli import main
 
+# main(argv) runs in-process here, which is what LightningCLI's `args` warning is about
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+
 
 def test_zeropp_on_cpu_names_the_preset():
     with pytest.raises(HpzConfigurationError, match=r"strategy='zeropp' .*needs CUDA.*Use strategy='hpz'") as error:
