@@ -100,6 +100,18 @@ def summarize(results: dict[str, dict], warmup: int) -> str:
     return "\n".join(lines)
 
 
+def refuse_missing_cuda(device: str) -> None:
+    """Stop before launching any job: without CUDA every rank would fail and the summary would divide by zero."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit(
+            "hpz_sync_modes.py: --device cuda (the default) needs a CUDA GPU, and torch sees none. "
+            "Run it on a GPU machine, or pass --device cpu for a plumbing check (CPU copies are synchronous, so "
+            "the modes do not differ in time there)."
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -115,6 +127,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    refuse_missing_cuda(args.device)
     results = {name: run_configuration(args, name, hpz or args.ranks, sync) for name, hpz, sync in CONFIGURATIONS}
     table = summarize(results, warmup=min(5, args.steps // 5))
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -1,28 +1,41 @@
-"""lightning_hpz: ZeRO with stabilized hierarchical partitioning (hpZ) as ``strategy="hpz"`` for Trainer and Fabric."""
+"""lightning_hpz: ZeRO with stabilized hierarchical partitioning (hpZ) as ``strategy="hpz"`` for Trainer and Fabric.
 
-import os
+Importing the package is cheap (no torch, Lightning or DeepSpeed): the public names load on first use, and the
+strategy names are registered with Lightning as soon as Lightning is imported (:mod:`lightning_hpz.registration`).
+"""
 
-import torch
+import importlib
+from typing import Any
 
-# Without a GPU, tell DeepSpeed so before it is imported: it then skips probing for one (and warning about it).
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-from lightning_hpz import fabric
-from lightning_hpz.config import HpzConfigurationError
-from lightning_hpz.fabric import HpzFabricStrategy
-from lightning_hpz.hpz_setup import STRATEGY_PRESETS
-from lightning_hpz.partitioning import (
-    SecondaryPartitionMismatchError,
-    check_secondary_partitions,
-    refresh_secondary_partitions,
-)
-from lightning_hpz.strategy import HpzStrategy, register
+from lightning_hpz.registration import register_when_lightning_is_imported
+from lightning_hpz.strategy_presets import STRATEGY_PRESETS
 
 __version__ = "0.1.0"
 
-register()
-fabric.register()
+# public name -> module that defines it, imported on first access
+_LAZY_ATTRIBUTES = {
+    "HpzConfigurationError": "lightning_hpz.config",
+    "HpzFabricStrategy": "lightning_hpz.fabric",
+    "HpzStrategy": "lightning_hpz.strategy",
+    "SecondaryPartitionMismatchError": "lightning_hpz.partitioning",
+    "check_secondary_partitions": "lightning_hpz.partitioning",
+    "refresh_secondary_partitions": "lightning_hpz.partitioning",
+}
+
+register_when_lightning_is_imported()
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY_ATTRIBUTES:
+        raise AttributeError(f"module 'lightning_hpz' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY_ATTRIBUTES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY_ATTRIBUTES])
+
 
 __all__ = [
     "STRATEGY_PRESETS",

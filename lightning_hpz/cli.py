@@ -27,6 +27,11 @@ TOOLS: dict[str, tuple[str, str, str]] = {
         "checkpoint_main",
         "inspect a sharded checkpoint: stage, world size, step, integrity manifest, sizes",
     ),
+    "export": (
+        "lightning_hpz.hf_export",
+        "export_main",
+        "write a training checkpoint as a Hugging Face model directory with its tokenizer",
+    ),
     "bench": (
         "lightning_hpz.bench.command",
         "bench_main",
@@ -70,14 +75,25 @@ def usage() -> str:
 def run_lightning_cli(argv: Sequence[str]) -> None:
     from lightning.pytorch.cli import LightningCLI
 
-    import lightning_hpz  # noqa: F401 - registers "hpz" and friends before the Trainer parses `strategy:`
+    from lightning_hpz.registration import register_now
 
-    cli = LightningCLI(
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=list(argv),
-        auto_configure_optimizers=False,
-    )
+    register_now()  # "hpz" and friends, before the Trainer parses `strategy:`
+
+    from lightning_hpz.cli_errors import user_facing_message
+
+    try:
+        cli = LightningCLI(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            # None when argv is the command line itself: LightningCLI warns when given sys.argv as `args`
+            args=None if list(argv) == sys.argv[1:] else list(argv),
+            auto_configure_optimizers=False,
+        )
+    except Exception as error:
+        message = user_facing_message(error)
+        if message is None:
+            raise
+        sys.exit(f"\nlightning-hpz {argv[0]}: error: {message}")
     if cli.subcommand == "fit":
         refuse_run_that_trained_nothing(cli.trainer)
 
@@ -100,7 +116,7 @@ def refuse_run_that_trained_nothing(trainer: Trainer) -> None:
 
 def print_strategies(argv: Sequence[str] = ()) -> None:
     """Print each strategy name lightning_hpz registers, with its description."""
-    from lightning_hpz.hpz_setup import STRATEGY_PRESETS
+    from lightning_hpz.strategy_presets import STRATEGY_PRESETS
 
     width = max(len(name) for name, _, _ in STRATEGY_PRESETS)
     for name, description, _ in STRATEGY_PRESETS:

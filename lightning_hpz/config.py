@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
@@ -47,6 +48,16 @@ ZERO_KEYS = {
     "quantized_gradients": "zero_quantized_gradients",
 }
 DEFAULTS = {"stage": 3, "hpz_partition_size": "auto", "quantized_weights": False, "quantized_gradients": False}
+
+
+class UnsetDefault(int):
+    """A default that shows its real value (``--print_config`` prints ``stage: 3``) yet counts as "not given", so a
+    ``zero_optimization.stage`` in ``config=`` may still set the stage without being called a conflict."""
+
+
+DEFAULT_STAGE = UnsetDefault(DEFAULTS["stage"])
+# LightningCLI writes its config (and --print_config) with PyYAML's safe dumper, which knows plain ints only.
+yaml.SafeDumper.add_representer(UnsetDefault, lambda dumper, value: dumper.represent_int(int(value)))
 
 
 def user_config_source(config: Union[dict[str, Any], str, os.PathLike, None]) -> tuple[Any, str]:
@@ -110,6 +121,7 @@ def resolve_zero_settings(
     resolved = {}
     for name, key in ZERO_KEYS.items():
         given, configured = kwargs.get(name), zero_section.get(key)
+        given = None if isinstance(given, UnsetDefault) else given
         if given is not None and configured is not None and given != configured:
             raise HpzConfigurationError(
                 f"{name}={given!r} conflicts with zero_optimization.{key}={configured!r} in config=. "
@@ -167,6 +179,12 @@ def validate_layout(partition_size: int, devices_per_node: int, num_nodes: int) 
     world_size = devices_per_node * num_nodes
     if partition_size <= 1:
         return
+    if devices_per_node == 1:
+        raise HpzConfigurationError(
+            f"hpz_partition_size={partition_size} needs more than one device per node: hpZ shards its secondary copy "
+            "over the devices of one node, and this run has one device per node. Use devices=N (N > 1, a multiple "
+            f"of {partition_size}; on CPU each device is a process), or hpz_partition_size=1."
+        )
     if world_size % partition_size:
         raise HpzConfigurationError(
             f"hpz_partition_size={partition_size} does not divide the world size {world_size} "

@@ -22,37 +22,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_hpz import collectives, partitioning
 from lightning_hpz import config as cfg
 from lightning_hpz.partitioning.ordering import SYNC_MODES
-
-STRATEGY_PRESETS: list[tuple[str, str, dict[str, Any]]] = [
-    ("hpz", "ZeRO-3 + hpZ (secondary partition = devices per node), stabilized; CPU and GPU", {}),
-    (
-        "hpz_offload",
-        "ZeRO-3 + hpZ with optimizer states offloaded to CPU memory",
-        {"offload_optimizer": True},
-    ),
-    (
-        "zeropp",
-        "full ZeRO++: ZeRO-3 + hpZ + qwZ (int8 weight gather) + qgZ (quantized gradients); CUDA only",
-        {"quantized_weights": True, "quantized_gradients": True},
-    ),
-    ("zero1", "ZeRO stage 1 (optimizer states sharded); CPU and GPU", {"stage": 1, "hpz_partition_size": 1}),
-    (
-        "zero2",
-        "ZeRO stage 2 (optimizer states + gradients sharded); CPU and GPU",
-        {"stage": 2, "hpz_partition_size": 1},
-    ),
-    (
-        "zero2_offload",
-        "ZeRO stage 2 with optimizer states offloaded to CPU",
-        {"stage": 2, "hpz_partition_size": 1, "offload_optimizer": True},
-    ),
-    ("zero3", "plain ZeRO stage 3 (everything sharded, hpZ off); CPU and GPU", {"stage": 3, "hpz_partition_size": 1}),
-    (
-        "zero3_offload",
-        "plain ZeRO stage 3 with parameters and optimizer states offloaded to CPU",
-        {"stage": 3, "hpz_partition_size": 1, "offload_optimizer": True, "offload_parameters": True},
-    ),
-]
+from lightning_hpz.strategy_presets import STRATEGY_PRESETS
 
 
 class HpzSetup:
@@ -87,7 +57,7 @@ class HpzSetup:
 
     def __init__(
         self,
-        stage: Optional[int] = None,
+        stage: int = cfg.DEFAULT_STAGE,
         hpz_partition_size: Union[int, str, None] = None,
         quantized_weights: Optional[bool] = None,
         quantized_gradients: Optional[bool] = None,
@@ -117,6 +87,7 @@ class HpzSetup:
         )
         self.verify_after_load = verify_after_load
         self.hpz_partition_size: Optional[int] = None  # resolved once the cluster layout is known
+        self.preset_name: Optional[str] = None  # the registered name it was built from, for messages
         self.copy_ordering: Optional[partitioning.CopyOrdering] = None
         self._verify_at_next_step = False
         self.secondary_checks_run = 0
@@ -183,6 +154,12 @@ class HpzSetup:
     def _refuse_quantization_without_cuda(self) -> None:
         if self._device_type() in (None, "cuda"):
             return
+        if self.preset_name == "zeropp":
+            raise cfg.HpzConfigurationError(
+                "strategy='zeropp' (full ZeRO++: hpZ + qwZ + qgZ) needs CUDA: DeepSpeed has no "
+                f"{type(self.accelerator).__name__} kernels for its quantized communication. Use strategy='hpz' "
+                "(ZeRO-3 + hpZ, no quantization) here, or train on GPUs."
+            )
         for name in ("quantized_weights", "quantized_gradients"):
             if getattr(self.zero_settings, name):
                 raise cfg.HpzConfigurationError(
@@ -195,6 +172,7 @@ class HpzSetup:
         _quiet_deepspeed_deprecations()
         if self.on_cpu:
             _use_deepspeed_cpu_accelerator()
+            partitioning.prepare_cpu_comm_op()  # no-op when the launcher did it; torchrun-started ranks need it
             # Lightning's DeepSpeedStrategy refuses anything but CUDA here; its parent (DDP) does the real work.
             super(self._lightning_deepspeed_strategy, self).setup_environment()
         else:
@@ -283,7 +261,18 @@ class HpzSetup:
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name, description, kwargs in STRATEGY_PRESETS:
             if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, **kwargs)
+                strategy_registry.register(name, _built_as(cls, name), description=description, **kwargs)
+
+
+def _built_as(cls: type, preset_name: str) -> Any:
+    """What the registry calls for a name: the strategy, remembering the name so messages can use it."""
+
+    def build(**kwargs: Any) -> Any:
+        strategy = cls(**kwargs)
+        strategy.preset_name = preset_name
+        return strategy
+
+    return build
 
 
 def _use_deepspeed_cpu_accelerator() -> None:

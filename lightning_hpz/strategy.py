@@ -19,10 +19,12 @@ from lightning_hpz import data_order, epoch_end_checkpoint, partitioning, random
 from lightning_hpz.callbacks.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz.checkpointing import commit, compatibility, resume
 from lightning_hpz.checkpointing.errors import CheckpointRefusedError
+from lightning_hpz.comm_op_launcher import CommOpFirstLauncher
 from lightning_hpz.hpz_setup import HpzSetup
 from lightning_hpz.inference import inference_config
 from lightning_hpz.resumable_loader import ResumableLoader
 from lightning_hpz.run_exit import CoordinatedExit
+from lightning_hpz.strategy_presets import STRATEGY_PRESETS  # noqa: F401 - still importable from here
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,13 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         self.failure_grace_period = failure_grace_period
         self._resumed_data_order: Optional[dict[str, Any]] = None  # set by a checkpoint load, checked on the data
         self.handle_preemption = handle_preemption
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        # On CPU, build DeepSpeed's communication op once, visibly, before the other ranks start (comm_op_launcher).
+        if self.on_cpu and type(self._launcher) is _SubprocessScriptLauncher:
+            self._launcher = CommOpFirstLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     # ----------------------------------------------------------------------------------------------- environment
     @override
@@ -182,3 +191,11 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
 
 def register() -> None:
     HpzStrategy.register_strategies(StrategyRegistry)
+
+
+# Importing the strategy registers its names; lightning_hpz.registration imports it as soon as Lightning is loaded.
+register()
+
+
+# Importing the strategy registers its names; lightning_hpz.registration imports it as soon as Lightning is loaded.
+register()

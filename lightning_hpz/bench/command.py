@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_hpz.bench import configurations as configs
 from lightning_hpz.bench import results as res
@@ -28,7 +28,9 @@ from lightning_hpz.bench.testbed import (
     sweep_abandoned,
     unavailable_reason,
 )
-from lightning_hpz.bench.workload import FULL_WORKLOAD, QUICK_WORKLOAD, Workload, parameter_count
+
+if TYPE_CHECKING:
+    from lightning_hpz.bench.workload import Workload
 
 EXIT_UNAVAILABLE = 2
 
@@ -115,13 +117,13 @@ def summarize_existing_runs(args: argparse.Namespace, command: str) -> dict[str,
     earlier = args.out / "results.json"
     if earlier.exists():
         command = json.loads(earlier.read_text())["command"]
-    workload = QUICK_WORKLOAD if args.quick else FULL_WORKLOAD
+    workload = _workload(args.quick)
     return build_results(args, command, workload, load_runs(args.out, args.selected), {}, leftovers=[])
 
 
 def run_benchmark(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Train every selected configuration on a fresh testbed, then summarize and write the results."""
-    workload = QUICK_WORKLOAD if args.quick else FULL_WORKLOAD
+    workload = _workload(args.quick)
     runs: dict[str, list[list[dict[str, Any]]]] = {c.name: [] for c in args.selected}
     failed: dict[str, str] = {}
     with _signals_end_the_run(), TwoNodeTestbed(args.shape) as testbed:
@@ -145,6 +147,12 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict[str, Any]:
     return build_results(args, command, workload, runs, failed, leftovers=testbed.leftovers())
 
 
+def _workload(quick: bool) -> Workload:
+    from lightning_hpz.bench.workload import FULL_WORKLOAD, QUICK_WORKLOAD  # torch: not needed for --help
+
+    return QUICK_WORKLOAD if quick else FULL_WORKLOAD
+
+
 def load_runs(out: Path, selected: list[configs.BenchConfiguration]) -> dict[str, list[list[dict[str, Any]]]]:
     """Every rank record under ``out/runs`` of an earlier run, per configuration and round."""
     runs: dict[str, list[list[dict[str, Any]]]] = {}
@@ -163,6 +171,8 @@ def build_results(
     failed: dict[str, str],
     leftovers: list[str],
 ) -> dict[str, Any]:
+    from lightning_hpz.bench.workload import parameter_count
+
     devices = args.devices_per_node
     parameters = parameter_count(workload)
     summaries: dict[str, dict[str, Any]] = {}

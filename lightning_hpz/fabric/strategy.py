@@ -86,3 +86,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
 def register() -> None:
     HpzFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+
+
+# Importing the strategy registers its names with Fabric; lightning_hpz.registration imports it with Lightning.
+register()

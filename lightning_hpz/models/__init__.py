@@ -1,25 +1,41 @@
-"""Llama-2, Falcon and T5 LightningModules on transformers architectures, with named size presets."""
+"""Llama-2, Falcon and T5 LightningModules on transformers architectures, with named size presets.
 
-from lightning_hpz.models.compatibility import DataModelMismatchError, check_data_fits_model
-from lightning_hpz.models.language_model import T5, Falcon, LanguageModel, Llama2
-from lightning_hpz.models.presets import PRESETS, ModelPreset, UnknownPresetError, count_parameters, get_preset
-from lightning_hpz.models.pretrained import PretrainedModelError, export_pretrained, load_pretrained_weights
-from lightning_hpz.models.training_summary import TrainingSummary
+The names load on first use, so ``lightning-hpz presets`` (which needs only the preset table) imports no torch.
+"""
 
-__all__ = [
-    "PRESETS",
-    "T5",
-    "DataModelMismatchError",
-    "Falcon",
-    "LanguageModel",
-    "Llama2",
-    "ModelPreset",
-    "PretrainedModelError",
-    "TrainingSummary",
-    "UnknownPresetError",
-    "check_data_fits_model",
-    "count_parameters",
-    "export_pretrained",
-    "get_preset",
-    "load_pretrained_weights",
-]
+import importlib
+from typing import Any
+
+# public name -> module that defines it
+_LAZY_ATTRIBUTES = {
+    "DataModelMismatchError": "lightning_hpz.models.compatibility",
+    "check_data_fits_model": "lightning_hpz.models.compatibility",
+    "T5": "lightning_hpz.models.language_model",
+    "Falcon": "lightning_hpz.models.language_model",
+    "LanguageModel": "lightning_hpz.models.language_model",
+    "Llama2": "lightning_hpz.models.language_model",
+    "PRESETS": "lightning_hpz.models.presets",
+    "ModelPreset": "lightning_hpz.models.presets",
+    "UnknownPresetError": "lightning_hpz.models.presets",
+    "count_parameters": "lightning_hpz.models.presets",
+    "get_preset": "lightning_hpz.models.presets",
+    "PretrainedModelError": "lightning_hpz.models.pretrained",
+    "export_pretrained": "lightning_hpz.models.pretrained",
+    "load_pretrained_weights": "lightning_hpz.models.pretrained",
+    "TrainingSummary": "lightning_hpz.models.training_summary",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY_ATTRIBUTES:
+        raise AttributeError(f"module 'lightning_hpz.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY_ATTRIBUTES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY_ATTRIBUTES])
+
+
+__all__ = sorted(_LAZY_ATTRIBUTES)

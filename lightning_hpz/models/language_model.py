@@ -144,6 +144,15 @@ class LanguageModel(L.LightningModule):
         if self.hparams.export_dir is not None:
             self.export(self.hparams.export_dir)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # what `lightning-hpz export` rebuilds the transformers model and its tokenizer from
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        checkpoint["huggingface_export"] = {
+            "family": self.family,
+            "config": self.hf_config.to_dict(),
+            "tokenizer": getattr(datamodule, "tokenizer_spec", None),
+        }
+
     def export(self, directory: str) -> None:
         """Write the current weights as a Hugging Face directory (a collective under ZeRO-3: call on all ranks)."""
         assert self.model is not None

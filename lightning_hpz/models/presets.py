@@ -12,10 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from lightning_hpz.models.architectures import build_hf_model, hf_config
-
 
 class UnknownPresetError(KeyError):
     """A preset name that is not in :data:`PRESETS`."""
@@ -250,13 +246,21 @@ def _count_named(name: str) -> int:
 
 
 def _count(preset: ModelPreset) -> int:
+    import torch  # here, not at the top: listing the presets needs neither torch nor transformers
+
+    from lightning_hpz.models.architectures import build_hf_model, hf_config
+
     with torch.device("meta"):
         model = build_hf_model(preset.family, hf_config(preset.family, preset.config))
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied matrix once
 
 
 def print_presets(argv: Sequence[str] = ()) -> None:
-    """``lightning-hpz presets``: name, family, exact parameter count and headline size of every preset."""
+    """``lightning-hpz presets``: name, family, exact parameter count and headline size of every preset.
+
+    The counts are the published ones, which tests/test_presets.py checks against a meta-device build of each preset
+    (``count_parameters``); printing them needs no torch, so the command answers at once.
+    """
     print(f"{'preset':<12} {'family':<7} {'parameters':>15}  size")
     for preset in PRESETS.values():
-        print(f"{preset.name:<12} {preset.family:<7} {count_parameters(preset):>15,}  {preset.headline}")
+        print(f"{preset.name:<12} {preset.family:<7} {preset.parameters:>15,}  {preset.headline}")

@@ -77,6 +77,7 @@ class TrainingSummary(L.Callback):
         )
         self.written = self._write(trainer, summary)
         summary["summary_file"] = str(self.written)
+        summary["export_dir"] = (getattr(trainer.lightning_module, "hparams", None) or {}).get("export_dir")
         print(self.format(summary))
 
     def _write(self, trainer: L.Trainer, summary: dict[str, Any]) -> Path:
@@ -104,6 +105,8 @@ class TrainingSummary(L.Callback):
         lines.append(f"  summary         {summary['summary_file']}")
         if summary["reason"]:
             lines.append(f"  ended early     {summary['reason']}")
+        if summary.get("export_dir"):
+            lines.append(f"  exported to     {summary['export_dir']} (Hugging Face model + tokenizer)")
         return "\n".join(lines)
 
 
