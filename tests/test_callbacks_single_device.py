@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_hpz.callbacks import LossStabilityMonitor, TokenThroughputMonitor
 from lightning_hpz.callbacks.model_flops import shape_from_config, training_flops
+from lightning_hpz.run_exit import UNSTABLE_EXIT_CODE, TrainingStopped
 
 VOCAB, SEQ = 96, 12
 
@@ -99,11 +100,12 @@ def test_loss_spike_is_skipped_and_a_clean_run_raises_nothing(tmp_path):
     assert clean.events == [] and trainer.global_step == 16
 
 
-def test_stop_ends_training_and_saves_a_checkpoint(tmp_path):
+def test_stop_ends_training_with_exit_code_3_and_saves_a_checkpoint(tmp_path):
     monitor = LossStabilityMonitor(action="stop", warmup=3)
-    with pytest.warns(UserWarning, match="Action: skip_update, stop"):
-        trainer = fit(tmp_path, TinyModel({5: math.nan}), [monitor], steps=10)
-    assert trainer.global_step == 6
+    with pytest.warns(UserWarning, match="Action: skip_update, stop"), pytest.raises(TrainingStopped) as stopped:
+        fit(tmp_path, TinyModel({5: math.nan}), [monitor], steps=10)
+    assert stopped.value.code == UNSTABLE_EXIT_CODE and "at step 5: nonfinite_loss" in str(stopped.value)
+    assert stopped.value.checkpoint == monitor.stop_checkpoint
     assert monitor.stop_checkpoint is not None and torch.load(monitor.stop_checkpoint, weights_only=False)
 
 
