@@ -8,17 +8,27 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from typing import Any
+
 from lightning_hpz.config import HpzConfigurationError
-from lightning_hpz.partitioning import (
-    SecondaryPartitionMismatchError,
-    check_secondary_partitions,
-    refresh_secondary_partitions,
-)
 from lightning_hpz.strategy import STRATEGY_PRESETS, HpzStrategy, register
 
 __version__ = "0.1.0"
 
+# Registering names has no side effect on DeepSpeed: it is neither imported nor patched until a strategy is set up.
 register()
+
+_FROM_PARTITIONING = ("SecondaryPartitionMismatchError", "check_secondary_partitions", "refresh_secondary_partitions")
+
+
+def __getattr__(name: str) -> Any:
+    # These need DeepSpeed; loaded on first use so that `import lightning_hpz` works without it.
+    if name in _FROM_PARTITIONING:
+        from lightning_hpz import partitioning
+
+        return getattr(partitioning, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "STRATEGY_PRESETS",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import warnings
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -19,8 +21,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_hpz import collectives, partitioning
 from lightning_hpz import config as cfg
-from lightning_hpz import partitioning
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.resumable_loader import ResumableLoader
 
@@ -145,6 +147,7 @@ class HpzStrategy(DeepSpeedStrategy):
             DDPStrategy.setup_environment(self)  # Lightning's DeepSpeedStrategy refuses anything but CUDA here
         else:
             super().setup_environment()
+        # Scoped to this strategy: wrapped from here to teardown (also after an exception), DeepSpeed as shipped after.
         self.copy_ordering = partitioning.install(self.hpz_sync, emulate_async_copy=self.emulate_async_copy)
         if self.hpz_sync == "none" and (self.hpz_partition_size or 1) > 1:
             rank_zero_warn(
@@ -173,8 +176,7 @@ class HpzStrategy(DeepSpeedStrategy):
         size = self.hpz_partition_size or 1
         if size <= 1:
             return
-        node_of_rank: list[Optional[int]] = [None] * self.world_size
-        torch.distributed.all_gather_object(node_of_rank, self.node_rank)
+        node_of_rank = collectives.all_gather_object(self.node_rank)
         for start in range(0, self.world_size, size):
             nodes = set(node_of_rank[start : start + size])
             if len(nodes) > 1:
@@ -264,14 +266,34 @@ class HpzStrategy(DeepSpeedStrategy):
         self._after_weights_changed()
 
     @override
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        with super().model_sharded_context():
+            yield
+        # `configure_model` may have written weights into the shards: no secondary copy may keep the old values.
+        if self.zero_stage_3 and self.lightning_module is not None:
+            partitioning.refresh_secondary_partitions(self.lightning_module)
+
+    @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         assert self.lightning_module is not None
+        if self.zero_stage_3:
+            partitioning.order_converted_parameters(self.lightning_module)  # converted by a zero.Init before setup
         # A user's `load_state_dict` into the sharded model (inside GatheredParameters, often on one rank only) must
         # not leave stale copies: drop those of the gathered parameters, their release rebuilds them on every rank.
         if self._load_hook_module is not self.lightning_module:
             self.lightning_module.register_load_state_dict_post_hook(_drop_secondaries_of_gathered_parameters)
             self._load_hook_module = self.lightning_module
+
+    @override
+    def teardown(self) -> None:
+        # Lightning's Trainer calls teardown after every fit/validate/test/predict, also when one raised.
+        try:
+            super().teardown()
+        finally:
+            if self.copy_ordering is not None:
+                partitioning.uninstall(self.copy_ordering)
 
     # ----------------------------------------------------------------------------------------------- registry
     @classmethod

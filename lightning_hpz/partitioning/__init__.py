@@ -1,27 +1,37 @@
-"""Stabilized hierarchical partitioning: the only package that touches DeepSpeed internals."""
+"""Stabilized hierarchical partitioning: the only package that touches DeepSpeed internals.
 
-from lightning_hpz.partitioning.deepspeed_patch import IncompatibleDeepSpeedError, install, uninstall
+Importing it does not import DeepSpeed: the names below that need DeepSpeed load their module (which checks the
+installed DeepSpeed) on first use, so code that only reads ``ds_*`` attributes works without DeepSpeed installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from lightning_hpz.partitioning.emulation import EMULATION_ENV_VAR, emulation_requested
 from lightning_hpz.partitioning.ordering import SYNC_MODES, CopyOrdering
-from lightning_hpz.partitioning.secondary_partitions import (
-    SecondaryCheckReport,
-    SecondaryPartitionMismatchError,
-    check_secondary_partitions,
-    count_secondary_partitions,
-    refresh_secondary_partitions,
-)
 
-__all__ = [
-    "EMULATION_ENV_VAR",
-    "SYNC_MODES",
-    "CopyOrdering",
-    "IncompatibleDeepSpeedError",
-    "SecondaryCheckReport",
-    "SecondaryPartitionMismatchError",
-    "check_secondary_partitions",
-    "count_secondary_partitions",
-    "emulation_requested",
-    "install",
-    "refresh_secondary_partitions",
-    "uninstall",
-]
+# name -> the module that defines it (imported, with DeepSpeed, on first access)
+_NEEDS_DEEPSPEED = {
+    "IncompatibleDeepSpeedError": "deepspeed_patch",
+    "install": "deepspeed_patch",
+    "uninstall": "deepspeed_patch",
+    "ConvertedParameters": "converted_parameters",
+    "order_converted_parameters": "converted_parameters",
+    "SecondaryCheckReport": "secondary_partitions",
+    "SecondaryPartitionMismatchError": "secondary_partitions",
+    "check_secondary_partitions": "secondary_partitions",
+    "count_secondary_partitions": "secondary_partitions",
+    "refresh_secondary_partitions": "secondary_partitions",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NEEDS_DEEPSPEED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_NEEDS_DEEPSPEED[name]}")
+    return getattr(module, name)
+
+
+__all__ = ["EMULATION_ENV_VAR", "SYNC_MODES", "CopyOrdering", "emulation_requested", *_NEEDS_DEEPSPEED]
