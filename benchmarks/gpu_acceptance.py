@@ -184,10 +184,11 @@ def _fit_one_device(accelerator: str, out: Path) -> tuple[str, str]:
     x = torch.randn(256, 64, generator=generator)
     data = DataLoader(TensorDataset(x, x[:, :1].tanh()), batch_size=16)
     throughput, integrity = TokenThroughputMonitor(flops_per_token=1e3, window_size=2), SecondaryPartitionCheck(1)
+    stability = LossStabilityMonitor(dirpath=str(out / "stability"))
     strategy = lightning_hpz.HpzStrategy(stage=3)
     trainer = L.Trainer(
         accelerator=accelerator, devices=1, strategy=strategy, max_steps=8, log_every_n_steps=1, default_root_dir=out,
-        callbacks=[throughput, LossStabilityMonitor(dirpath=str(out / "stability")), integrity], logger=False, enable_checkpointing=False,
+        callbacks=[throughput, stability, integrity], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     model = Regressor()
