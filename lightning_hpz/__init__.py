@@ -1,14 +1,13 @@
 """lightning_hpz: ZeRO training with stabilized hierarchical partitioning (hpZ) as ``Trainer(strategy="hpz")``."""
 
 import os
+from typing import Any
 
 import torch
 
 # Without a GPU, tell DeepSpeed so before it is imported: it then skips probing for one (and warning about it).
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-from typing import Any
 
 from lightning_hpz.config import HpzConfigurationError
 from lightning_hpz.strategy import STRATEGY_PRESETS, HpzStrategy, register
