@@ -177,12 +177,22 @@ class HpzSetup:
             super(self._lightning_deepspeed_strategy, self).setup_environment()
         else:
             super().setup_environment()
+        # Scoped to this strategy: wrapped from here to teardown (also after an exception), DeepSpeed as shipped after.
         self.copy_ordering = partitioning.install(self.hpz_sync, emulate_async_copy=self.emulate_async_copy)
         if self.hpz_sync == "none" and (self.hpz_partition_size or 1) > 1:
             rank_zero_warn(
                 "hpz_sync='none' leaves the hpZ secondary-partition copy unordered before its all-gather: training "
                 "can silently diverge (arXiv 2407.01614). Use it only to reproduce that failure."
             )
+
+    def teardown(self) -> None:
+        # The Trainer calls teardown after every fit/validate/test/predict, also when one raised; Fabric users call it.
+        try:
+            super().teardown()
+        finally:
+            if self.copy_ordering is not None:
+                partitioning.uninstall(self.copy_ordering)
+                self.copy_ordering = None
 
     def _init_deepspeed_distributed(self) -> None:
         super()._init_deepspeed_distributed()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -182,10 +183,21 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         self._after_weights_changed()
 
     @override
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        with super().model_sharded_context():
+            yield
+        # `configure_model` may have written weights into the shards: no secondary copy may keep the old values.
+        if self.zero_stage_3 and self.lightning_module is not None:
+            partitioning.refresh_secondary_partitions(self.lightning_module)
+
+    @override
     def setup(self, trainer: Any) -> None:
         if self.handle_preemption and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint())
         super().setup(trainer)
+        if self.zero_stage_3:
+            partitioning.order_converted_parameters(self._hpz_module())  # converted by a zero.Init before setup
         self._watch_load_state_dict(self._hpz_module())
 
 

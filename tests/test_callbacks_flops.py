@@ -101,15 +101,15 @@ def test_tokens_counted_by_attention_mask():
         _detect_batch_tokens({"pixels": 3})
 
 
-def test_peak_flops_table():
-    assert chip_key("NVIDIA H100 80GB HBM3") == "h100 sxm"
-    assert chip_key("NVIDIA H100 PCIe") == "h100 pcie"
+def test_peak_flops_table_holds_only_chips_lightning_lacks():
+    assert chip_key("NVIDIA H200") == "h200 sxm"
     assert chip_key("NVIDIA H200 NVL") == "h200 nvl"
-    assert chip_key("NVIDIA A100-SXM4-80GB") == "a100"
-    assert chip_key("Tesla T4") is None
+    assert chip_key("NVIDIA L40S") == "l40s"
+    assert chip_key("AMD Instinct MI300X") == "mi300x"
+    assert chip_key("NVIDIA H100 80GB HBM3") is None  # Lightning's table answers for it
     assert table_peak_flops("NVIDIA H200", torch.bfloat16) == PEAK_FLOPS["h200 sxm"]["bfloat16"]
     for row in PEAK_FLOPS.values():  # tensor cores: bf16 doubles tf32, which beats plain fp32
-        assert row["bfloat16"] == pytest.approx(2 * row["tf32"], rel=0.01)
+        assert row["bfloat16"] == pytest.approx(2 * row["tf32"], rel=0.02)
         assert row["tf32"] > row["float32"]
 
 

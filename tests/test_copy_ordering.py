@@ -186,8 +186,9 @@ def test_unchanged_secondary_records_nothing(fake_accelerator):
 
 
 def test_without_an_active_ordering_deepspeed_behaves_as_shipped(fake_accelerator):
-    deepspeed_patch.uninstall()  # wrapped since import, but no strategy active
-    assert partition_parameters.Init._partition_param_sec is not deepspeed_patch._ORIGINAL_PARTITION_PARAM_SEC
+    deepspeed_patch.install("event")
+    deepspeed_patch.uninstall()  # as at a strategy's teardown
+    assert partition_parameters.Init._partition_param_sec is deepspeed_patch._ORIGINAL_PARTITION_PARAM_SEC
     partition_parameters.Init._partition_param_sec(_partition_owner(), _available_param())
     assert fake_accelerator.stream.synchronized == 1  # DeepSpeed's own PR #5216 synchronize
 

@@ -31,6 +31,24 @@ def test_changed_signature_is_refused(monkeypatch):
         deepspeed_patch._check_installed_deepspeed()
 
 
-def test_wrappers_are_in_place_after_import():
-    assert partition_parameters.Init._partition_param_sec is deepspeed_patch._ordered_partition_param_sec
-    assert partition_parameters.Init._convert_to_deepspeed_param is deepspeed_patch._convert_with_ordered_gather
+def test_wrappers_are_in_place_only_while_installed():
+    original = partition_parameters.Init._partition_param_sec
+    assert original is deepspeed_patch._ORIGINAL_PARTITION_PARAM_SEC  # importing the patch patches nothing
+    deepspeed_patch.install("event")
+    try:
+        assert partition_parameters.Init._partition_param_sec is deepspeed_patch._ordered_partition_param_sec
+        assert partition_parameters.Init._convert_to_deepspeed_param is deepspeed_patch._convert_with_ordered_gather
+    finally:
+        deepspeed_patch.uninstall()
+    assert partition_parameters.Init._partition_param_sec is original
+
+
+def test_a_stale_owner_does_not_uninstall_a_newer_ordering():
+    first = deepspeed_patch.install("event")
+    second = deepspeed_patch.install("stream")
+    try:
+        deepspeed_patch.uninstall(first)
+        assert deepspeed_patch.active_ordering() is second and deepspeed_patch.is_wrapped()
+    finally:
+        deepspeed_patch.uninstall(second)
+    assert deepspeed_patch.active_ordering() is None and not deepspeed_patch.is_wrapped()

@@ -2,8 +2,9 @@
 
 The loop is the same for all three (forward returns the loss, backward, optimizer step); only the wrapping differs.
 The DeepSpeed engine gets exactly the config :class:`~lightning_hpz.HpzStrategy` would build for the same
-configuration and no copy ordering (lightning_hpz's DeepSpeed wrappers are imported with the package but call straight
-through while none is installed), so its step time is what the strategy's should match.
+configuration and no copy ordering (lightning_hpz wraps DeepSpeed only while an ``HpzStrategy`` is set up), so its step
+time is what the strategy's should match. Process groups are created and destroyed here directly (that is the point
+of a hand-written loop); every collective still goes through :mod:`lightning_hpz.collectives`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_hpz import collectives
 from lightning_hpz.bench.configurations import BenchConfiguration
 from lightning_hpz.bench.recording import StepRecorder
 from lightning_hpz.bench.workload import Workload, build_model, rank_loader, token_set
@@ -43,7 +45,7 @@ def strategy_deepspeed_config(configuration: BenchConfiguration, workload: Workl
 def _train(
     step: Callable[[torch.Tensor], torch.Tensor], spec: dict[str, Any], workload: Workload, **extra: Any
 ) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = collectives.rank(), collectives.world_size()
     recorder = StepRecorder(spec["steps"], spec["warmup"])
     for batch in rank_loader(token_set(workload, spec["steps"], world), workload, rank, world):
         recorder.step_done(step(batch).item())

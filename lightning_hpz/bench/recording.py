@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import torch.distributed as dist
+from lightning_hpz import collectives
 
 INTERFACE_ENV_VAR = "GLOO_SOCKET_IFNAME"
 
@@ -35,7 +35,7 @@ class StepRecorder:
             raise ValueError(f"warmup={warmup} must lie between 1 and steps-1={steps - 1}.")
         self.steps = steps
         self.warmup = warmup
-        self.rank = dist.get_rank()
+        self.rank = collectives.rank()
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.interface = os.environ.get(INTERFACE_ENV_VAR)
         self.losses: list[float] = []
@@ -52,9 +52,9 @@ class StepRecorder:
             self._mark("end")
 
     def _mark(self, name: str) -> None:
-        dist.barrier()
+        collectives.barrier()
         tx = read_tx_bytes(self.interface) if self.local_rank == 0 else None
-        dist.barrier()
+        collectives.barrier()
         self.marks[name] = {"time": time.perf_counter(), "tx_bytes": tx}
 
     def step_times(self) -> list[float]:
@@ -68,7 +68,7 @@ class StepRecorder:
         return {
             "rank": self.rank,
             "local_rank": self.local_rank,
-            "world_size": dist.get_world_size(),
+            "world_size": collectives.world_size(),
             "interface": self.interface,
             "losses": self.losses,
             "step_times": self.step_times(),

@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleD
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_hpz import collectives
 from lightning_hpz.callbacks.stability_detection import (
     ACTIONS,
     StabilityDecision,
@@ -130,7 +131,7 @@ class LossStabilityMonitor(Callback):
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         self._step = trainer.global_step
-        value = self._mean_over_ranks(trainer, loss.detach().float() * trainer.accumulate_grad_batches)
+        value = _mean_over_ranks(loss.detach().float() * trainer.accumulate_grad_batches)
         self.losses.append((self._step, value))
         events = self.state.observe_loss(self._step, value)
         decision = _decide(events, self.action, self.max_rollbacks - len(self.rollbacks))
@@ -307,10 +308,10 @@ class LossStabilityMonitor(Callback):
         done = [name for name in ("skip_update", "rollback", "stop") if getattr(decision, name)] or ["warn"]
         rank_zero_warn(f"Training instability at step {self._step}: {what}. Action: {', '.join(done)}.")
 
-    @staticmethod
-    def _mean_over_ranks(trainer: Trainer, value: torch.Tensor) -> float:
-        reduced = trainer.strategy.reduce(value.clone(), reduce_op="mean")
-        return float(reduced)
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    # every rank gets the same mean, so every rank takes the same skip/rollback/stop decision
+    return float(collectives.all_reduce(value, op="sum")) / collectives.world_size()
 
 
 def _engine_skipped_steps(trainer: Trainer) -> Optional[int]:

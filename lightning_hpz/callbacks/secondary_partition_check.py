@@ -8,8 +8,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_hpz.partitioning import check_secondary_partitions
-
 
 class SecondaryPartitionCheck(Callback):
     """Rebuild every parameter from its secondary and from its primary shards and raise if they differ.
@@ -33,6 +31,8 @@ class SecondaryPartitionCheck(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         if trainer.global_step % self.every_n_steps:
             return
+        from lightning_hpz.partitioning import check_secondary_partitions  # needs DeepSpeed: only once it runs
+
         report = check_secondary_partitions(pl_module)
         self.checks_run += 1
         self.last_checked = report.checked

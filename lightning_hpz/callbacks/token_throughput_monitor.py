@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dt
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_hpz import collectives
 from lightning_hpz.callbacks.batch_tokens import BatchTokens, _detect_batch_tokens
 from lightning_hpz.callbacks.model_flops import TransformerShape, shape_from_config, training_flops
 from lightning_hpz.callbacks.peak_flops import peak_flops_for
@@ -30,8 +31,10 @@ class TokenThroughputMonitor(Callback):
     ``comm/intra_node_bytes_per_step`` (what each rank sends per optimizer step; see :mod:`lightning_hpz.planning` and
     :mod:`lightning_hpz.callbacks.strategy_traffic` for what is assumed per strategy).
 
-    Tokens, samples and FLOPs are summed over the ranks each step (one all-reduce of three numbers), so ranks with
-    different batch sizes or padding count right. The rates come from Lightning's
+    Tokens, samples and FLOPs of all micro-batches of an optimizer step are summed over the ranks once per optimizer
+    step (one all-reduce of three numbers), so ranks with different batch sizes or padding count right; like
+    Lightning's ``ThroughputMonitor``, rates are updated and logged once per optimizer step, also under gradient
+    accumulation. The rates come from Lightning's
     :class:`~lightning.fabric.utilities.throughput.Throughput`.
 
     Args:
@@ -65,7 +68,8 @@ class TokenThroughputMonitor(Callback):
         self.traffic: Optional[TrafficEstimate] = None
         self.history: list[dict[str, float]] = []
         self._throughput: Optional[Throughput] = None
-        self._totals = torch.zeros(3, dtype=torch.float64)  # real tokens, samples, steps (all ranks)
+        self._totals = torch.zeros(3, dtype=torch.float64)  # real tokens, samples, optimizer steps (all ranks)
+        self._step_counts = torch.zeros(3, dtype=torch.float64)  # this rank's tokens, samples, FLOPs of this step
         self._t0 = 0.0
         self._module_flops_per_batch: Optional[float] = None
 
@@ -90,6 +94,7 @@ class TokenThroughputMonitor(Callback):
         if self.shape is None and self.flops_per_token is None and self._module_flops_per_batch is None:
             rank_zero_info("TokenThroughputMonitor: no model config or flops_per_token given, so no TFLOP/s or MFU.")
         self._totals.zero_()
+        self._step_counts.zero_()
         self._t0 = time.perf_counter()
 
     @override
@@ -97,15 +102,20 @@ class TokenThroughputMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         counts = self.tokens_fn(batch)
-        local = [counts.real_tokens, counts.samples, self._batch_flops(counts)]
-        # On the strategy's device, as NCCL reduces only device tensors: (3,) summed over ranks.
-        step_totals = torch.tensor(local, dtype=torch.float64, device=trainer.strategy.root_device)
-        step_totals = trainer.strategy.reduce(step_totals, reduce_op="sum").cpu()
+        self._step_counts += torch.tensor(
+            [counts.real_tokens, counts.samples, self._batch_flops(counts)], dtype=torch.float64
+        )
+        # Lightning internal `fit_loop._should_accumulate()`, the test Lightning's ThroughputMonitor uses: a
+        # micro-batch that ends no optimizer step is only counted.
+        if trainer.fit_loop._should_accumulate():
+            return
+        tokens, samples, flops = collectives.all_reduce_values(self._step_counts.tolist(), op="sum")
+        self._step_counts.zero_()
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self._t0
-        self._totals += torch.tensor([step_totals[0], step_totals[1], 1.0], dtype=torch.float64)
-        self._update(trainer, elapsed, float(step_totals[2]))
+        self._totals += torch.tensor([tokens, samples, 1.0], dtype=torch.float64)
+        self._update(trainer, elapsed, flops)
         if (trainer.global_step % trainer.log_every_n_steps) == 0:
             self._log(trainer, pl_module)
 

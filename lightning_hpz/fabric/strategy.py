@@ -52,6 +52,8 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None
     ) -> tuple[Any, Any, Any]:
         engine, deepspeed_optimizer, _, deepspeed_scheduler = self._initialize_deepspeed(model, optimizer, scheduler)
+        if self.zero_stage_3:
+            partitioning.order_converted_parameters(model)  # converted by a zero.Init outside fabric.init_module
         self._watch_load_state_dict(model)
         return engine, deepspeed_optimizer, deepspeed_scheduler
 
@@ -77,11 +79,6 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         if self._deepspeed_engine is not None:
             self._after_weights_changed()
         return remainder
-
-    @override
-    def teardown(self) -> None:
-        partitioning.uninstall()
-        super().teardown()
 
 
 def register() -> None:

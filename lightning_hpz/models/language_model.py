@@ -88,7 +88,6 @@ class LanguageModel(L.LightningModule):
             load_pretrained_weights(self.model, self.hparams.pretrained)
         else:
             initialize_partitioned_weights(self.model)  # no-op unless zero.Init partitioned the layers as built
-        self._refresh_secondary_partitions()
         if self.hparams.activation_checkpointing:
             self._enable_activation_checkpointing()
 
@@ -99,12 +98,6 @@ class LanguageModel(L.LightningModule):
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-    def _refresh_secondary_partitions(self) -> None:
-        # Weights were written into the shards: hpZ's secondary copies (if any) must not keep the old values.
-        from lightning_hpz.partitioning import refresh_secondary_partitions
-
-        refresh_secondary_partitions(self)
 
     # ----------------------------------------------------------------------------------------------- steps
     def forward(self, **inputs: torch.Tensor) -> Any:

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from lightning_hpz import collectives
 from lightning_hpz.models.architectures import MODEL_TYPES
 from lightning_hpz.models.sharded_weights import full_shape, gathered, is_partitioned
 
@@ -92,7 +93,7 @@ def load_pretrained_weights(model: nn.Module, directory: str | Path) -> int:
             f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}; shape mismatches {mismatched[:5]}. "
             "Was the directory written by this model family's `save_pretrained`?"
         )
-    writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    writer = collectives.rank() == 0
     for key, param in plan:
         with gathered([param], modifier_rank=0), torch.no_grad():
             if writer or not is_partitioned(param):
@@ -107,7 +108,7 @@ def export_pretrained(model: nn.Module, directory: str | Path) -> None:
     Under ZeRO-3 the parameters are gathered one at a time and copied to CPU on rank 0: a collective, so every rank
     must call this. (For models larger than rank 0's CPU memory, consolidate the checkpoint instead.)
     """
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rank = collectives.rank()
     state: dict[str, torch.Tensor] = {}
     for names, param in _unique_parameters(model):
         with gathered([param]):
@@ -115,5 +116,4 @@ def export_pretrained(model: nn.Module, directory: str | Path) -> None:
                 state[names[0]] = param.detach().to("cpu", copy=True).contiguous()
     if rank == 0:
         model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    collectives.barrier()

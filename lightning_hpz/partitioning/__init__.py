@@ -1,6 +1,14 @@
-"""Stabilized hierarchical partitioning: the only package that touches DeepSpeed internals."""
+"""Stabilized hierarchical partitioning: the only package that touches DeepSpeed internals.
 
+Importing it does not import DeepSpeed: the names below that need DeepSpeed load their module (which checks the
+installed DeepSpeed) on first use, so code that only reads ``ds_*`` attributes works without DeepSpeed installed.
+"""
+
+from __future__ import annotations
+
+import importlib
 import os
+from typing import Any
 
 import torch
 
@@ -8,33 +16,32 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from lightning_hpz.partitioning.cpu_comm_op import prepare_cpu_comm_op
-from lightning_hpz.partitioning.deepspeed_patch import IncompatibleDeepSpeedError, install, uninstall
 from lightning_hpz.partitioning.emulation import EMULATION_ENV_VAR, emulation_requested
-from lightning_hpz.partitioning.inference_engine import ensure_hpz_groups, optimizer_less_checkpoint_load
 from lightning_hpz.partitioning.ordering import SYNC_MODES, CopyOrdering
-from lightning_hpz.partitioning.secondary_partitions import (
-    SecondaryCheckReport,
-    SecondaryPartitionMismatchError,
-    check_secondary_partitions,
-    count_secondary_partitions,
-    refresh_secondary_partitions,
-)
 
-__all__ = [
-    "EMULATION_ENV_VAR",
-    "SYNC_MODES",
-    "CopyOrdering",
-    "IncompatibleDeepSpeedError",
-    "SecondaryCheckReport",
-    "SecondaryPartitionMismatchError",
-    "check_secondary_partitions",
-    "count_secondary_partitions",
-    "emulation_requested",
-    "ensure_hpz_groups",
-    "install",
-    "optimizer_less_checkpoint_load",
-    "prepare_cpu_comm_op",
-    "refresh_secondary_partitions",
-    "uninstall",
-]
+# name -> the module that defines it (imported, with DeepSpeed, on first access)
+_NEEDS_DEEPSPEED = {
+    "IncompatibleDeepSpeedError": "deepspeed_patch",
+    "install": "deepspeed_patch",
+    "uninstall": "deepspeed_patch",
+    "ConvertedParameters": "converted_parameters",
+    "order_converted_parameters": "converted_parameters",
+    "SecondaryCheckReport": "secondary_partitions",
+    "SecondaryPartitionMismatchError": "secondary_partitions",
+    "check_secondary_partitions": "secondary_partitions",
+    "count_secondary_partitions": "secondary_partitions",
+    "refresh_secondary_partitions": "secondary_partitions",
+    "prepare_cpu_comm_op": "cpu_comm_op",
+    "ensure_hpz_groups": "inference_engine",
+    "optimizer_less_checkpoint_load": "inference_engine",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NEEDS_DEEPSPEED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_NEEDS_DEEPSPEED[name]}")
+    return getattr(module, name)
+
+
+__all__ = ["EMULATION_ENV_VAR", "SYNC_MODES", "CopyOrdering", "emulation_requested", *_NEEDS_DEEPSPEED]

@@ -10,20 +10,22 @@ Two functions of ``deepspeed.runtime.zero.partition_parameters.Init`` are wrappe
   secondary shards (called by the prefetch coordinator inside its all-gather stream context). Its result is wrapped so
   that the gathering stream first waits for the copies of the shards it reads.
 
-The wrappers are applied when this module is imported; until a strategy installs an ordering (and for plain
-DeepSpeed use next to this package) they call straight through.
+Nothing is patched when this module is imported. :func:`install` applies the wrappers when a strategy is set up and
+:func:`uninstall` removes them at its teardown, so plain DeepSpeed used later in the same process runs as shipped.
+Parameters converted before :func:`install` (a ``deepspeed.zero.Init`` entered earlier) are found at setup by
+:mod:`lightning_hpz.partitioning.converted_parameters`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Iterator
-from typing import Any
+import threading
+from typing import Any, Optional
 
 import torch
 from packaging.version import Version
 
+from lightning_hpz.partitioning.copy_sync_gate import copy_sync_held_off, remove_gates
 from lightning_hpz.partitioning.emulation import EmulatedAsyncDevice
 from lightning_hpz.partitioning.ordering import CopyOrdering
 
@@ -94,6 +96,10 @@ _ORIGINAL_CONVERT_TO_DEEPSPEED_PARAM = _partition_parameters.Init._convert_to_de
 _groups = _partition_parameters.groups
 _ORIGINAL_CREATE_HPZ_GROUP = _groups._create_zero_param_parallel_group
 _active: dict[str, Any] = {"ordering": None, "emulated_device": None}
+_patch_lock = threading.Lock()
+# Marks a parameter's gather as ordered, and a parameter whose copies keep DeepSpeed's own synchronize.
+ORDERED_GATHER_MARK = "_hpz_ordered_gather"
+STOCK_COPY_SYNC_MARK = "_hpz_stock_copy_sync"
 
 
 def deepspeed_accelerator() -> Any:
@@ -106,27 +112,50 @@ def active_ordering() -> CopyOrdering | None:
 
 
 def install(mode: str, emulate_async_copy: bool = False) -> CopyOrdering:
-    """Make ``mode`` the ordering of every secondary-partition copy and gather in this process from now on."""
-    _wrap_deepspeed()
+    """Wrap DeepSpeed and make ``mode`` the ordering of every secondary-partition copy and gather in this process,
+    until :func:`uninstall`. Returns the active :class:`CopyOrdering` (its counters say what it did)."""
     device = EmulatedAsyncDevice() if emulate_async_copy else deepspeed_accelerator()
     ordering = CopyOrdering(mode, device)
-    _active.update(ordering=ordering, emulated_device=device if emulate_async_copy else None)
+    with _patch_lock:
+        _wrap_deepspeed()
+        _active.update(ordering=ordering, emulated_device=device if emulate_async_copy else None)
     return ordering
 
 
-def uninstall() -> None:
-    """Deactivate the ordering: the wrappers stay in place and call straight through to DeepSpeed."""
-    _active.update(ordering=None, emulated_device=None)
+def uninstall(ordering: Optional[CopyOrdering] = None) -> None:
+    """Deactivate the ordering and give DeepSpeed back its own functions.
+
+    With ``ordering``, only if that one is still the active one (a stale owner's teardown leaves a newer one alone).
+    Gathers of parameters converted meanwhile keep their wrapper, which calls straight through from now on.
+    """
+    with _patch_lock:
+        if ordering is not None and _active["ordering"] is not ordering:
+            return
+        _active.update(ordering=None, emulated_device=None)
+        _unwrap_deepspeed()
+    remove_gates()
+
+
+def is_wrapped() -> bool:
+    return _partition_parameters.Init._partition_param_sec is _ordered_partition_param_sec
 
 
 def _wrap_deepspeed() -> None:
-    # Done at import, so parameters converted by a `deepspeed.zero.Init` entered before the Trainer exists (as some
-    # scripts do) carry the ordered gather too. Idempotent.
     init_cls = _partition_parameters.Init
     if init_cls._partition_param_sec is _ORIGINAL_PARTITION_PARAM_SEC:
         init_cls._partition_param_sec = _ordered_partition_param_sec
         init_cls._convert_to_deepspeed_param = _convert_with_ordered_gather
         _groups._create_zero_param_parallel_group = _create_or_reuse_hpz_group
+
+
+def _unwrap_deepspeed() -> None:
+    init_cls = _partition_parameters.Init
+    if init_cls._partition_param_sec is _ordered_partition_param_sec:
+        init_cls._partition_param_sec = _ORIGINAL_PARTITION_PARAM_SEC
+    if init_cls._convert_to_deepspeed_param is _convert_with_ordered_gather:
+        init_cls._convert_to_deepspeed_param = _ORIGINAL_CONVERT_TO_DEEPSPEED_PARAM
+    if _groups._create_zero_param_parallel_group is _create_or_reuse_hpz_group:
+        _groups._create_zero_param_parallel_group = _ORIGINAL_CREATE_HPZ_GROUP
 
 
 def _create_or_reuse_hpz_group(group_size: int) -> None:
@@ -140,20 +169,9 @@ def _create_or_reuse_hpz_group(group_size: int) -> None:
     _ORIGINAL_CREATE_HPZ_GROUP(group_size)
 
 
-@contextlib.contextmanager
-def _deepspeed_copy_sync_held_off() -> Iterator[None]:
-    """Make DeepSpeed's ``resolves_data_dependency`` gate skip its own synchronize for the duration of one call."""
-    accelerator = deepspeed_accelerator()
-    shadowed = "resolves_data_dependency" in vars(accelerator)
-    previous = vars(accelerator).get("resolves_data_dependency")
-    accelerator.resolves_data_dependency = lambda: True
-    try:
-        yield
-    finally:
-        if shadowed:
-            accelerator.resolves_data_dependency = previous
-        else:
-            del accelerator.resolves_data_dependency
+def _deepspeed_copy_sync_held_off() -> Any:
+    """Make DeepSpeed's ``resolves_data_dependency`` gate skip its own synchronize, on this thread, for one call."""
+    return copy_sync_held_off(deepspeed_accelerator())
 
 
 def _write_stamp(param: torch.nn.Parameter) -> tuple[int, int] | None:
@@ -165,7 +183,7 @@ def _write_stamp(param: torch.nn.Parameter) -> tuple[int, int] | None:
 
 def _ordered_partition_param_sec(self: Any, param: Any, buffer: Any = None, has_been_updated: bool = False) -> None:
     ordering: CopyOrdering | None = _active["ordering"]
-    if ordering is None:
+    if ordering is None or getattr(param, STOCK_COPY_SYNC_MARK, False):
         return _ORIGINAL_PARTITION_PARAM_SEC(self, param, buffer, has_been_updated)
     before = _write_stamp(param)
     with _deepspeed_copy_sync_held_off():
@@ -189,6 +207,11 @@ def _convert_with_ordered_gather(self: Any, param: Any) -> None:
             "lightning_hpz cannot order hpZ gathers with this version. Install a tested DeepSpeed release: "
             f"`pip install 'deepspeed>={TESTED_DEEPSPEED_MIN},<{TESTED_DEEPSPEED_BELOW}'`."
         )
+    param.all_gather_coalesced = ordered_gather(gather)
+
+
+def ordered_gather(gather: Any) -> Any:
+    """``gather`` (a parameter's ``all_gather_coalesced``) made to wait first for the copies of the shards it reads."""
 
     def all_gather_coalesced(params: Any, *args: Any, **kwargs: Any) -> Any:
         params = list(params)
@@ -199,7 +222,5 @@ def _convert_with_ordered_gather(self: Any, param: Any) -> None:
             )
         return gather(params, *args, **kwargs)
 
-    param.all_gather_coalesced = all_gather_coalesced
-
-
-_wrap_deepspeed()
+    setattr(all_gather_coalesced, ORDERED_GATHER_MARK, True)
+    return all_gather_coalesced

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_hpz.partitioning.deepspeed_patch import active_ordering, deepspeed_accelerator
+from lightning_hpz import collectives
+from lightning_hpz.partitioning.deepspeed_patch import active_ordering
 from lightning_hpz.partitioning.sharded_parameters import is_partitioned
 
 
@@ -89,7 +89,6 @@ def check_secondary_partitions(module: nn.Module, raise_on_mismatch: bool = True
     """
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    device = torch.device(deepspeed_accelerator().current_device_name())
     report = SecondaryCheckReport()
     checkable = _parameters_every_rank_can_check(module, ZeroParamStatus.NOT_AVAILABLE, report)
     ordering = active_ordering()
@@ -97,8 +96,8 @@ def check_secondary_partitions(module: nn.Module, raise_on_mismatch: bool = True
         # read the shards as a gather would: after the copies that fill them (in "none" mode, possibly before)
         ordering.before_secondary_gather(p.ds_secondary_tensor for _, p in checkable)
     for name, param in checkable:
-        from_secondaries = _gather_flat(param.ds_secondary_tensor, param.ds_zero_param_process_group, device)
-        from_primaries = _gather_flat(param.ds_tensor, param.ds_process_group, device)
+        from_secondaries = _gather_flat(param.ds_secondary_tensor, param.ds_zero_param_process_group)
+        from_primaries = _gather_flat(param.ds_tensor, param.ds_process_group)
         numel = param.ds_numel
         if not torch.equal(from_secondaries[:numel], from_primaries[:numel]):
             report.mismatched.append(name)
@@ -122,26 +121,17 @@ def _parameters_every_rank_can_check(
         and not hasattr(p.ds_secondary_tensor, "ds_quant_scale")
         for _, p in candidates
     ]
-    flags = torch.tensor(local, dtype=torch.int32)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    flags = collectives.all_reduce(torch.tensor(local, dtype=torch.int32), op="min")
     report.skipped = sum(has_secondary_partition(p) for _, p in candidates) - int(flags.sum())
     return [candidate for candidate, flag in zip(candidates, flags.tolist(), strict=True) if flag]
 
 
-def _gather_flat(shard: torch.Tensor, group: object, device: torch.device) -> torch.Tensor:
-    shard = shard.detach().reshape(-1).to(device)
-    world = dist.get_world_size(group=group)
-    pieces = [torch.empty_like(shard) for _ in range(world)]
-    dist.all_gather(pieces, shard, group=group)
-    return torch.cat(pieces)
+def _gather_flat(shard: torch.Tensor, group: object) -> torch.Tensor:
+    return torch.cat(collectives.all_gather_tensor(shard.detach().reshape(-1), group=group))
 
 
 def _agree_over_ranks(report: SecondaryCheckReport, order: list[str]) -> None:
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    per_rank: list[dict[str, float] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, report.max_abs_difference)
+    per_rank: list[dict[str, float]] = collectives.all_gather_object(report.max_abs_difference)
     merged: dict[str, float] = {}
     for differences in per_rank:
         for name, value in (differences or {}).items():

@@ -1,0 +1,289 @@
+"""GPU acceptance of lightning_hpz: one command, a pass/fail table, a few minutes on one GPU (well under 8).
+
+    python benchmarks/gpu_acceptance.py --out results/gpu_acceptance
+
+What a CPU cannot show, checked on the GPU itself:
+
+* ``ordering_on_cuda_streams``: a secondary copy made late on the compute stream (``torch.cuda._sleep`` before it) is
+  read by an all-gather stand-in on a side stream, through DeepSpeed's CUDA accelerator: ``"none"`` must read the
+  stale shard (the race of arXiv 2407.01614, reproduced), ``"event"`` and ``"stream"`` the copy; host syncs per mode.
+* ``collectives_under_nccl``: every helper of :mod:`lightning_hpz.collectives` on a one-rank NCCL group, fed CPU
+  tensors as the package's callers do (NCCL refuses CPU tensors unless the helper moves them).
+* ``trainer_on_one_gpu``: ``Trainer(strategy=HpzStrategy(stage=3))`` on one GPU with ``TokenThroughputMonitor``
+  (its ``setup`` asks the peak FLOP/s of this chip), ``LossStabilityMonitor`` and the integrity check every step,
+  then ``refresh_secondary_partitions``: every collective of those paths under NCCL.
+* ``hpz_parity_and_step_time`` (2+ GPUs: NCCL refuses two ranks on one GPU): ``benchmarks/hpz_sync_modes.py``, ZeRO-3
+  + hpZ loss parity with plain ZeRO-3 for "event" and "stream", and the step time of every ``hpz_sync`` mode.
+
+Without CUDA each of those is reported SKIP with the reason, and the same harnesses run on the CPU stand-ins
+(``*_plumbing`` rows: the emulated asynchronous device, gloo, ``accelerator="cpu"``), so the script itself is tested
+anywhere. Exit status 1 if any check failed. The CUDA checks also run as
+``pytest -m cuda tests/test_gpu_acceptance.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+MODES = ("none", "event", "stream")
+SLEEP_CYCLES = 200_000_000  # about 0.1 s of GPU time before the copy: far longer than a side-stream read takes
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str  # PASS, FAIL or SKIP
+    detail: str
+    seconds: float = 0.0
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# ----------------------------------------------------------------------------------------------- stream ordering
+def _cuda_read_after_late_copy(mode: str) -> tuple[bool, int]:
+    """Whether a side-stream read saw the late copy, and how many host syncs the ordering made."""
+    from deepspeed.accelerator import get_accelerator
+
+    from lightning_hpz.partitioning import CopyOrdering
+
+    ordering = CopyOrdering(mode, get_accelerator())
+    secondary = torch.zeros(1 << 20, device="cuda")
+    values = torch.full_like(secondary, 7.0)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)  # the compute stream is busy: the copy below lands late
+    secondary.copy_(values)
+    ordering.after_secondary_copy(secondary)
+    with torch.cuda.stream(side):  # the all-gather stream of DeepSpeed's prefetch coordinator
+        ordering.before_secondary_gather([secondary])
+        read = secondary.clone()
+    torch.cuda.synchronize()
+    return bool(torch.equal(read, values)), ordering.host_syncs
+
+
+def _emulated_read_after_late_copy(mode: str) -> tuple[bool, int]:
+    """The same harness on the CPU stand-in for an asynchronous device."""
+    from lightning_hpz.partitioning import CopyOrdering
+    from lightning_hpz.partitioning.emulation import EmulatedAsyncDevice
+
+    device = EmulatedAsyncDevice()
+    ordering = CopyOrdering(mode, device)
+    secondary = torch.full((1024,), 7.0)
+    device.defer_copy(secondary)  # issued, lands only when something orders after it
+    ordering.after_secondary_copy(secondary)
+    ordering.before_secondary_gather([secondary])
+    read = secondary.clone()
+    return bool(torch.equal(read, torch.full_like(read, 7.0))), ordering.host_syncs
+
+
+def _judge_ordering(read_after_late_copy: Callable[[str], tuple[bool, int]]) -> tuple[str, str]:
+    seen = {mode: read_after_late_copy(mode) for mode in MODES}
+    expected = {"none": False, "event": True, "stream": True}
+    expected_syncs = {"none": 0, "event": 0, "stream": 1}
+    ok = all(seen[m][0] == expected[m] and seen[m][1] == expected_syncs[m] for m in MODES)
+    detail = ", ".join(
+        f"{m}: {'copy' if seen[m][0] else 'stale'} ({seen[m][1]} host sync{'s' * (seen[m][1] != 1)})" for m in MODES
+    )
+    return ("PASS" if ok else "FAIL"), detail
+
+
+def ordering_on_cuda_streams() -> tuple[str, str]:
+    return _judge_ordering(_cuda_read_after_late_copy)
+
+
+def ordering_plumbing() -> tuple[str, str]:
+    return _judge_ordering(_emulated_read_after_late_copy)
+
+
+# ----------------------------------------------------------------------------------------------- collectives
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _one_rank_group(backend: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.distributed.init_process_group(backend, rank=0, world_size=1)
+
+
+def _collectives_on(backend: str) -> tuple[str, str]:
+    from lightning_hpz import collectives
+
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    _one_rank_group(backend)
+    try:
+        on_cpu = torch.tensor([1.0, 2.0])
+        reduced = collectives.all_reduce(on_cpu, op="max")
+        gathered = collectives.all_gather_tensor(on_cpu)
+        results = {
+            "device": str(collectives.collective_device()),
+            "all_reduce": reduced.tolist() == [1.0, 2.0] and reduced.device == on_cpu.device,
+            "all_reduce_values": collectives.all_reduce_values([3.0]) == [3.0],
+            "all_gather_tensor": [t.tolist() for t in gathered] == [[1.0, 2.0]] and gathered[0].device.type == "cpu",
+            "all_gather_object": collectives.all_gather_object({"a": 1}) == [{"a": 1}],
+            "broadcast_object": collectives.broadcast_object("x") == "x",
+        }
+        collectives.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+    failed = [name for name, ok in results.items() if ok is False]
+    return ("FAIL" if failed else "PASS"), f"tensors on {results['device']}; failed: {failed or 'none'}"
+
+
+def collectives_under_nccl() -> tuple[str, str]:
+    return _collectives_on("nccl")
+
+
+def collectives_plumbing() -> tuple[str, str]:
+    return _collectives_on("gloo")
+
+
+# ----------------------------------------------------------------------------------------------- one-device Trainer
+def _fit_one_device(accelerator: str, out: Path) -> tuple[str, str]:
+    import lightning as L
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_hpz
+    from lightning_hpz.callbacks import LossStabilityMonitor, SecondaryPartitionCheck, TokenThroughputMonitor
+
+    class Regressor(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 1))
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=generator)
+    data = DataLoader(TensorDataset(x, x[:, :1].tanh()), batch_size=16)
+    throughput, integrity = TokenThroughputMonitor(flops_per_token=1e3, window_size=2), SecondaryPartitionCheck(1)
+    stability = LossStabilityMonitor(dirpath=str(out / "stability"))
+    strategy = lightning_hpz.HpzStrategy(stage=3)
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=1, strategy=strategy, max_steps=8, log_every_n_steps=1, default_root_dir=out,
+        callbacks=[throughput, stability, integrity], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    model = Regressor()
+    trainer.fit(model, data)
+    dropped = lightning_hpz.refresh_secondary_partitions(model)
+    torch.distributed.destroy_process_group()
+    ok = len(model.losses) == 8 and all(map(math.isfinite, model.losses)) and integrity.checks_run == 8
+    ok = ok and bool(throughput.history)
+    name = torch.cuda.get_device_name(0) if accelerator == "cuda" else "cpu"
+    peak = (
+        "no MFU (chip unknown)" if throughput.peak_flops is None else f"peak {throughput.peak_flops / 1e12:.0f} TFLOP/s"
+    )
+    detail = (
+        f"{name}: {len(model.losses)} steps, last loss {model.losses[-1]:.4g}, {integrity.checks_run} integrity "
+        f"checks, {len(throughput.history)} throughput logs, {peak}, refresh dropped {dropped}"
+    )
+    return ("PASS" if ok else "FAIL"), detail
+
+
+def trainer_on_one_gpu(out: Path) -> tuple[str, str]:
+    return _fit_one_device("cuda", out)
+
+
+def trainer_plumbing(out: Path) -> tuple[str, str]:
+    return _fit_one_device("cpu", out)
+
+
+# ----------------------------------------------------------------------------------------------- several GPUs
+def hpz_parity_and_step_time(out: Path, ranks: int) -> tuple[str, str]:
+    target = out / "hpz_sync_modes"
+    command = [sys.executable, str(REPO / "benchmarks" / "hpz_sync_modes.py"), "--ranks", str(ranks)]
+    command += ["--steps", "30", "--width", "2048", "--out", str(target)]
+    subprocess.run(command, check=True, timeout=420, cwd=REPO)
+    results = json.loads((target / "results.json").read_text())
+    reference = results["zero3"]["losses"]
+    parity = {name: results[name]["losses"] == reference for name in ("hpz-event", "hpz-stream")}
+    median = {name: sorted(r["times"][5:])[len(r["times"][5:]) // 2] for name, r in results.items()}
+    detail = f"parity with ZeRO-3: {parity}; median step (s): " + ", ".join(f"{k} {v:.4f}" for k, v in median.items())
+    return ("PASS" if all(parity.values()) else "FAIL"), detail
+
+
+# ----------------------------------------------------------------------------------------------- driver
+def _run(name: str, check: Callable[[], tuple[str, str]]) -> CheckResult:
+    start = time.perf_counter()
+    try:
+        status, detail = check()
+    except Exception as err:  # a crash is a failed check, reported in the table with its cause
+        status, detail = "FAIL", f"{type(err).__name__}: {err}"
+        traceback.print_exc()
+    return CheckResult(name, status, detail, time.perf_counter() - start)
+
+
+def run_checks(out: Path, plumbing: bool = True) -> list[CheckResult]:
+    gpus = gpu_count()
+    results = []
+    cuda_checks = [
+        ("ordering_on_cuda_streams", ordering_on_cuda_streams),
+        ("collectives_under_nccl", collectives_under_nccl),
+        ("trainer_on_one_gpu", lambda: trainer_on_one_gpu(out)),
+    ]
+    for name, check in cuda_checks:
+        results.append(_run(name, check) if gpus else CheckResult(name, "SKIP", "no CUDA device on this machine"))
+    if gpus >= 2:
+        results.append(_run("hpz_parity_and_step_time", lambda: hpz_parity_and_step_time(out, min(gpus, 8))))
+    else:
+        reason = f"needs 2+ GPUs, found {gpus}: NCCL refuses two ranks on one GPU"
+        results.append(CheckResult("hpz_parity_and_step_time", "SKIP", reason))
+    if plumbing:
+        for name, check in (("ordering_plumbing", ordering_plumbing), ("collectives_plumbing", collectives_plumbing)):
+            results.append(_run(name, check))
+        results.append(_run("trainer_plumbing", lambda: trainer_plumbing(out)))
+    return results
+
+
+def table(results: list[CheckResult]) -> str:
+    lines = ["| check | result | seconds | detail |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r.name} | {r.status} | {r.seconds:.1f} | {r.detail} |" for r in results]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/gpu_acceptance", help="where results.json and results.md go")
+    parser.add_argument("--no-plumbing", action="store_true", help="skip the CPU stand-ins of the CUDA checks")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("No CUDA device: the CUDA checks are skipped; running their CPU stand-ins (plumbing) only.")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_checks(out, plumbing=not args.no_plumbing)
+    (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    (out / "results.md").write_text(table(results) + "\n")
+    print(table(results))
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
