@@ -115,13 +115,14 @@ def resolve_zero_settings(
     ``zero_optimization=False`` turns ZeRO off, as in Lightning's DeepSpeedStrategy (stage 0: plain data parallel).
     """
     zero_section = user_config.get("zero_optimization") or {}
+    # The signature's default stage (shown by --print_config) counts as not given.
+    kwargs = {name: None if isinstance(value, UnsetDefault) else value for name, value in kwargs.items()}
     if not zero_optimization:
         _refuse_stage_without_zero(kwargs.get("stage"), zero_section.get("stage"))
         kwargs = {**kwargs, "stage": 0}
     resolved = {}
     for name, key in ZERO_KEYS.items():
         given, configured = kwargs.get(name), zero_section.get(key)
-        given = None if isinstance(given, UnsetDefault) else given
         if given is not None and configured is not None and given != configured:
             raise HpzConfigurationError(
                 f"{name}={given!r} conflicts with zero_optimization.{key}={configured!r} in config=. "
