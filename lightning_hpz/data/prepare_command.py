@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +39,8 @@ def prepare_data_main(argv: Sequence[str] = ()) -> None:
     from lightning_hpz.data.shard_writer import DEFAULT_SHARD_TOKENS
     from lightning_hpz.data.tokenizers import TokenizerNotFoundError
 
+    manifest_file = Path(args.out) / "manifest.json"
+    before = manifest_file.stat().st_mtime_ns if manifest_file.is_file() else None
     try:
         manifest = prepare_corpus(
             args.source, args.tokenizer, args.out, args.num_workers, args.text_field, args.errors,
@@ -45,7 +48,8 @@ def prepare_data_main(argv: Sequence[str] = ()) -> None:
         )  # fmt: skip
     except (CorpusError, PreparedDataError, TokenizerNotFoundError, ValueError) as err:
         raise SystemExit(f"prepare-data: {err}") from err
+    unchanged = " (source unchanged, nothing to do)" if before == manifest_file.stat().st_mtime_ns else ""
     print(
-        f"{args.out}: {manifest.tokens} tokens from {manifest.documents} documents "
+        f"{args.out}{unchanged}: {manifest.tokens} tokens from {manifest.documents} documents "
         f"(tokenizer {manifest.tokenizer}, vocab {manifest.vocab_size}, {manifest.dtype})"
     )
