@@ -11,7 +11,13 @@ from torch.utils.data import Dataset
 from lightning_hpz import collectives
 from lightning_hpz.data.corpus import DEFAULT_CORPUS
 from lightning_hpz.data.packing import SequenceTooLongError
-from lightning_hpz.data.prepared_shards import PreparedShards, check_fits_tokenizer, is_prepared
+from lightning_hpz.data.prepared_shards import (
+    PreparedShards,
+    check_fits_tokenizer,
+    is_prepared,
+    is_unfinished,
+    read_manifest,
+)
 from lightning_hpz.data.resumable_batches import RankShare, ResumableBatches
 from lightning_hpz.data.token_cache import cache_directory, prepare_into_cache
 from lightning_hpz.data.tokenizers import Tokenizer, load_tokenizer
@@ -88,6 +94,8 @@ class CorpusDataModule(L.LightningDataModule):
         return cache_directory(self.source, self.tokenizer, self.text_field, self.errors, self.cache_dir)
 
     def prepare_data(self) -> None:
+        if is_unfinished(self.source):
+            read_manifest(self.source)  # raises: names the directory and the command that finishes it
         if not is_prepared(self.source):  # local rank 0 only (Lightning); a no-op once the cache holds this source
             prepare_into_cache(
                 self.source, self.tokenizer_spec, self.tokenizer, self.text_field, self.errors, self.cache_dir

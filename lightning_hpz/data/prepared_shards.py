@@ -59,6 +59,13 @@ def is_prepared(directory: str | Path) -> bool:
     return (Path(directory) / MANIFEST).is_file()
 
 
+def is_unfinished(directory: str | Path) -> bool:
+    """Shards or leftovers of a preparation but no manifest: it was interrupted (or is still running)."""
+    path = Path(directory)
+    leftovers = [*path.glob("shard-*.bin*"), path / INDEX] if path.is_dir() else []
+    return not is_prepared(path) and any(p.exists() for p in leftovers)
+
+
 def read_manifest(directory: str | Path) -> Manifest:
     path = Path(directory) / MANIFEST
     if not path.is_file():
