@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,6 +42,7 @@ def prepare_data_main(argv: Sequence[str] = ()) -> None:
 
     manifest_file = Path(args.out) / "manifest.json"
     before = manifest_file.stat().st_mtime_ns if manifest_file.is_file() else None
+    started = time.perf_counter()
     try:
         manifest = prepare_corpus(
             args.source, args.tokenizer, args.out, args.num_workers, args.text_field, args.errors,
@@ -48,8 +50,11 @@ def prepare_data_main(argv: Sequence[str] = ()) -> None:
         )  # fmt: skip
     except (CorpusError, PreparedDataError, TokenizerNotFoundError, ValueError) as err:
         raise SystemExit(f"prepare-data: {err}") from err
+    seconds = time.perf_counter() - started
+    megabytes = sum(size for _, size, _ in manifest.fingerprint) / 1e6
     unchanged = " (source unchanged, nothing to do)" if before == manifest_file.stat().st_mtime_ns else ""
     print(
         f"{args.out}{unchanged}: {manifest.tokens} tokens from {manifest.documents} documents "
-        f"(tokenizer {manifest.tokenizer}, vocab {manifest.vocab_size}, {manifest.dtype})"
+        f"(tokenizer {manifest.tokenizer}, vocab {manifest.vocab_size}, {manifest.dtype}); "
+        f"{megabytes:.1f} MB in {seconds:.1f} s = {megabytes / max(seconds, 1e-9):.1f} MB/s"
     )
