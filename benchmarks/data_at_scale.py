@@ -35,6 +35,8 @@ SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "vo", "en", "or", "al", 
 
 def generate_corpus(path: Path, size_mb: int, seed: int = 0) -> None:
     """Paragraphs of random words from a 5000-word lexicon, written in 1 MB blocks drawn from 64 distinct ones."""
+    if path.is_file() and path.stat().st_size == size_mb << 20:
+        return  # kept from an earlier run (--keep)
     rng = random.Random(seed)
     lexicon = ["".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(5000)]
     blocks = [_block(rng, lexicon) for _ in range(64)]
@@ -260,7 +262,11 @@ def _measure(args: argparse.Namespace, work: Path) -> dict:
         generate_corpus(bpe_big, args.bpe_mb, seed=3)
         generate_corpus(bpe_quarter, max(1, args.bpe_mb // 4), seed=4)
         runs += [(source, str(work / "bpe"), n, work / "scratch") for source in (bpe_quarter, bpe_big) for n in (1, 2)]
-    results["prepare"] = [run_prepare(*run) for run in runs if "prepare" not in args.skip or run[3] != work / "scratch"]
+    results["prepare"] = [
+        run_prepare(source, tokenizer, out, workers)
+        for source, tokenizer, workers, out in runs
+        if "prepare" not in args.skip or out != work / "scratch"
+    ]
     shutil.rmtree(work / "scratch", ignore_errors=True)
     if "train" not in args.skip:
         results["train"] = [
