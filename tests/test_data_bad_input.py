@@ -130,3 +130,15 @@ def test_txt_read_in_small_chunks_splits_exactly_like_the_whole_file(tmp_path, m
     (tmp_path / "t.txt").write_text(text)
     monkeypatch.setattr(corpus_module, "READ_CHUNK_BYTES", 3)
     assert read_corpus(tmp_path / "t.txt") == [doc for doc in text.split("\n\n") if doc.strip()]
+
+
+def test_too_small_corpus_fails_trainer_fit_instead_of_training_nothing(tmp_path):
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    (tmp_path / "small.txt").write_text("a short text " * 40)
+    datamodule = CausalLMDataModule(str(tmp_path / "small.txt"), sequence_length=64, cache_dir=str(tmp_path / "c"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(SequenceTooLongError, match=r"fewer than one global batch of batch_size 8 x 1 ranks = 8"):
+        trainer.fit(BoringModel(), datamodule)
+    assert trainer.global_step == 0
