@@ -71,6 +71,7 @@ def test_rerun_on_an_unchanged_source_does_nothing_and_a_changed_one_reprepares(
 
 def test_an_interrupted_preparation_leaves_nothing_that_reads_as_prepared(corpus, tmp_path, monkeypatch):
     prepare_corpus(corpus / "a.txt", "byte", tmp_path, show_progress=False)  # an older, complete preparation
+    (tmp_path / "notes.tmp").write_text("the user's own file")
     real = preparation.encoded_batches
 
     def killed_midway(*args):
@@ -82,7 +83,7 @@ def test_an_interrupted_preparation_leaves_nothing_that_reads_as_prepared(corpus
     monkeypatch.setattr(preparation, "encoded_batches", killed_midway)
     with pytest.raises(KeyboardInterrupt):
         prepare_corpus(corpus / "a.jsonl", "byte", tmp_path, shard_tokens=100, show_progress=False)
-    assert not is_prepared(tmp_path) and not list(tmp_path.iterdir())
+    assert not is_prepared(tmp_path) and [p.name for p in tmp_path.iterdir()] == ["notes.tmp"]
 
 
 def test_command_line_tool(corpus, tmp_path, capsys):

@@ -32,7 +32,13 @@ def write_atomically(path: Path, data: bytes) -> None:
 def clear_preparation(directory: Path) -> None:
     """Remove the manifest first (the directory stops reading as valid), then every shard and leftover."""
     (directory / MANIFEST).unlink(missing_ok=True)
-    for path in [directory / INDEX, *directory.glob("shard-*.bin"), *directory.glob("*.tmp")]:
+    ours = [
+        directory / INDEX,
+        directory / f"{INDEX}.tmp",
+        directory / f"{MANIFEST}.tmp",
+        *directory.glob("shard-*.bin*"),
+    ]
+    for path in ours:  # only files this module writes: --out may be a directory holding other things
         path.unlink(missing_ok=True)
 
 
