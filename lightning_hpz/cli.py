@@ -42,6 +42,11 @@ TOOLS: dict[str, tuple[str, str, str]] = {
         "print_presets",
         "list the model presets: family and exact parameter count (built on the meta device)",
     ),
+    "prepare-data": (
+        "lightning_hpz.data.prepare_command",
+        "prepare_data_main",
+        "tokenize a corpus once, in parallel, into memory-mapped token shards that training reads directly",
+    ),
     "plan": (
         "lightning_hpz.planning.plan_command",
         "plan_main",

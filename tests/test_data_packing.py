@@ -1,17 +1,9 @@
-"""Tokenizers, the token cache and packing into fixed-length sequences."""
+"""Tokenizers and packing into fixed-length sequences."""
 
 import pytest
 import torch
 
-from lightning_hpz.data import (
-    ByteTokenizer,
-    SequenceTooLongError,
-    TokenizerNotFoundError,
-    load_tokenizer,
-    pack_tokens,
-    token_cache,
-)
-from lightning_hpz.data.token_cache import cached_token_stream, tokenize_documents
+from lightning_hpz.data import ByteTokenizer, SequenceTooLongError, TokenizerNotFoundError, load_tokenizer, pack_tokens
 
 
 def test_byte_tokenizer_round_trips_unicode():
@@ -25,7 +17,7 @@ def test_byte_tokenizer_round_trips_unicode():
 
 def test_documents_are_separated_by_end_tokens():
     tokenizer = ByteTokenizer()
-    stream = tokenize_documents(["ab", "c"], tokenizer).tolist()
+    stream = tokenizer.encode_documents(["ab", "c"]).tolist()
     assert stream == [*tokenizer.encode("ab"), tokenizer.eos_id, *tokenizer.encode("c"), tokenizer.eos_id]
 
 
@@ -41,22 +33,6 @@ def test_corpus_shorter_than_one_sequence():
         pack_tokens(torch.arange(10), 64)
 
 
-def test_tokenizes_once_then_reads_the_cache(tmp_path, monkeypatch):
-    documents, tokenizer = ["some text", "more text"], ByteTokenizer()
-    first = cached_token_stream(documents, tokenizer, tmp_path)
-    monkeypatch.setattr(token_cache, "tokenize_documents", lambda *a: pytest.fail("tokenized twice"))
-    assert torch.equal(cached_token_stream(documents, tokenizer, tmp_path), first)
-    assert len(list(tmp_path.glob("tokens-*.pt"))) == 1
-
-
-def test_cache_key_changes_with_content_and_tokenizer():
-    base = token_cache.corpus_key(["a b"], ByteTokenizer())
-    assert token_cache.corpus_key(["a c"], ByteTokenizer()) != base
-    other = ByteTokenizer()
-    other.name = "other"
-    assert token_cache.corpus_key(["a b"], other) != base
-
-
 def test_hugging_face_tokenizer_from_a_local_directory(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -68,6 +44,9 @@ def test_hugging_face_tokenizer_from_a_local_directory(tmp_path):
     tokenizer = load_tokenizer(str(tmp_path))
     assert tokenizer.vocab_size == 7
     assert len(tokenizer.encode("the cat sat")) == 3
+    documents = ["the cat", "sat on the mat", "the"]
+    one_by_one = [i for doc in documents for i in [*tokenizer.encode(doc), tokenizer.eos_id]]
+    assert tokenizer.encode_documents(documents).tolist() == one_by_one  # one batched call, same ids
     assert tokenizer.eos_id == 1
     with pytest.raises(ValueError, match="no T5 sentinel tokens"):
         tokenizer.sentinel_ids(2)

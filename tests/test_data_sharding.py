@@ -20,7 +20,7 @@ def datamodule(tmp_path_factory):
 def _epoch_indices(datamodule, rank: int, epoch: int, split: str = "train") -> list[int]:
     datamodule.trainer = SimpleNamespace(world_size=WORLD, global_rank=rank)
     loader = datamodule.train_dataloader() if split == "train" else datamodule.val_dataloader()
-    loader.sampler.set_epoch(epoch)
+    loader.sampler.set_epoch(epoch)  # what Lightning calls at each epoch start
     return [i for batch in loader for i in batch["sample_index"].tolist()]
 
 
@@ -41,6 +41,6 @@ def test_each_epoch_has_its_own_reproducible_order(datamodule):
 
 
 def test_validation_examples_are_not_trained_on(datamodule):
-    train_rows = {tuple(row.tolist()) for row in datamodule.train_set.columns["input_ids"]}
-    val_rows = [tuple(row.tolist()) for row in datamodule.val_set.columns["input_ids"]]
+    train_rows = {tuple(example["input_ids"].tolist()) for example in datamodule.train_set}
+    val_rows = [tuple(example["input_ids"].tolist()) for example in datamodule.val_set]
     assert val_rows and not train_rows.intersection(val_rows)

@@ -58,7 +58,8 @@ def test_noise_density_and_mean_span_length():
 def test_datamodule_examples_fit_exactly(tmp_path):
     datamodule = SpanCorruptionDataModule(input_length=64, cache_dir=str(tmp_path))
     datamodule.setup("fit")
-    inputs, labels = datamodule.train_set.columns["input_ids"], datamodule.train_set.columns["labels"]
+    batch = next(iter(datamodule.train_dataloader()))
+    inputs, labels = batch["input_ids"], batch["labels"]
     assert inputs.shape[1] == 64 and labels.shape[1] == datamodule.layout.target_length
     assert datamodule.sequence_length == 64
     assert (inputs != TOKENIZER.pad_id).all() and (labels != TOKENIZER.pad_id).all()  # no padding anywhere

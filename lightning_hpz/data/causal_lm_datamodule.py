@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import torch
+from typing import Any
+
+from torch.utils.data import Dataset
 
 from lightning_hpz.data.corpus import DEFAULT_CORPUS
-from lightning_hpz.data.corpus_datamodule import DEFAULT_CACHE_DIR, CorpusDataModule, TensorExamples
-from lightning_hpz.data.packing import pack_tokens
+from lightning_hpz.data.corpus_datamodule import DEFAULT_CACHE_DIR, CorpusDataModule
+from lightning_hpz.data.packing import PackedBlocks
+from lightning_hpz.data.prepared_shards import PreparedShards
 
 
 class CausalLMDataModule(CorpusDataModule):
@@ -27,19 +30,33 @@ class CausalLMDataModule(CorpusDataModule):
         text_field: str = "text",
         cache_dir: str = DEFAULT_CACHE_DIR,
         seed: int = 0,
+        errors: str = "strict",
     ) -> None:
-        super().__init__(source, tokenizer, batch_size, val_fraction, text_field, cache_dir, seed)
+        super().__init__(source, tokenizer, batch_size, val_fraction, text_field, cache_dir, seed, errors)
         self._sequence_length = sequence_length
 
     @property
     def sequence_length(self) -> int:
         return self._sequence_length
 
-    def build_datasets(self, tokens: torch.Tensor) -> tuple[TensorExamples, TensorExamples]:
-        blocks = pack_tokens(tokens, self.sequence_length)  # (N, T)
-        split = self.split_point(len(blocks))
-        # The model shifts labels by one itself (transformers convention), so labels are the inputs.
+    def build_datasets(self, shards: PreparedShards) -> tuple[CausalExamples, CausalExamples]:
+        count = self.examples_in_stream()
+        split = self.split_point(count)
         return (
-            TensorExamples(input_ids=blocks[:split], labels=blocks[:split]),
-            TensorExamples(input_ids=blocks[split:], labels=blocks[split:]),
+            CausalExamples(PackedBlocks(shards, self.sequence_length, 0, split)),
+            CausalExamples(PackedBlocks(shards, self.sequence_length, split, count - split)),
         )
+
+
+class CausalExamples(Dataset):
+    """Packed blocks as causal-LM examples: the model shifts labels by one itself (transformers), so labels = inputs."""
+
+    def __init__(self, blocks: PackedBlocks) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        block = self.blocks.block(index)
+        return {"sample_index": index, "input_ids": block, "labels": block}

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+from torch.utils.data import Dataset
 
 from lightning_hpz.data.corpus import DEFAULT_CORPUS
-from lightning_hpz.data.corpus_datamodule import DEFAULT_CACHE_DIR, CorpusDataModule, TensorExamples
-from lightning_hpz.data.packing import pack_tokens
+from lightning_hpz.data.corpus_datamodule import DEFAULT_CACHE_DIR, CorpusDataModule
+from lightning_hpz.data.packing import PackedBlocks
+from lightning_hpz.data.prepared_shards import PreparedShards
 from lightning_hpz.data.span_corruption import MEAN_SPAN_LENGTH, NOISE_DENSITY, corrupt_spans, raw_length_for
 
 
@@ -35,8 +40,9 @@ class SpanCorruptionDataModule(CorpusDataModule):
         text_field: str = "text",
         cache_dir: str = DEFAULT_CACHE_DIR,
         seed: int = 0,
+        errors: str = "strict",
     ) -> None:
-        super().__init__(source, tokenizer, batch_size, val_fraction, text_field, cache_dir, seed)
+        super().__init__(source, tokenizer, batch_size, val_fraction, text_field, cache_dir, seed, errors)
         self.layout = raw_length_for(input_length, noise_density, mean_span_length)
         self.noise_density = noise_density
         self.mean_span_length = mean_span_length
@@ -46,15 +52,17 @@ class SpanCorruptionDataModule(CorpusDataModule):
     def sequence_length(self) -> int:
         return self.layout.input_length
 
-    def build_datasets(self, tokens: torch.Tensor) -> tuple[TensorExamples, TensorExamples]:
-        blocks = pack_tokens(tokens, self.layout.raw_length)
-        pairs = [self._corrupt(index, block) for index, block in enumerate(blocks)]
-        inputs = torch.stack([i for i, _ in pairs])  # (N, input_length)
-        targets = torch.stack([t for _, t in pairs])  # (N, target_length)
-        split = self.split_point(len(blocks))
+    @property
+    def sequence_tokens(self) -> int:
+        return self.layout.raw_length
+
+    def build_datasets(self, shards: PreparedShards) -> tuple[SpanCorruptedExamples, SpanCorruptedExamples]:
+        count = self.examples_in_stream()
+        split = self.split_point(count)
+        corrupt = self._corrupt
         return (
-            TensorExamples(input_ids=inputs[:split], labels=targets[:split]),
-            TensorExamples(input_ids=inputs[split:], labels=targets[split:]),
+            SpanCorruptedExamples(PackedBlocks(shards, self.layout.raw_length, 0, split), 0, corrupt),
+            SpanCorruptedExamples(PackedBlocks(shards, self.layout.raw_length, split, count - split), split, corrupt),
         )
 
     def _corrupt(self, index: int, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,3 +70,22 @@ class SpanCorruptionDataModule(CorpusDataModule):
         return corrupt_spans(
             block, self.sentinels, self.tokenizer.eos_id, generator, self.noise_density, self.mean_span_length
         )
+
+
+class SpanCorruptedExamples(Dataset):
+    """Blocks corrupted on access; block ``b`` of the whole stream always gets the same corruption (seeded by ``b``)."""
+
+    def __init__(
+        self,
+        blocks: PackedBlocks,
+        first: int,
+        corrupt: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        self.blocks, self.first, self.corrupt = blocks, first, corrupt
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        inputs, targets = self.corrupt(self.first + index, self.blocks.block(index))
+        return {"sample_index": index, "input_ids": inputs, "labels": targets}

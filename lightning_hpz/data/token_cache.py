@@ -1,41 +1,33 @@
-"""Tokenize a corpus once: the token stream is cached on disk under a key of (corpus content, tokenizer)."""
+"""Small sources need no explicit step: they are prepared on first use into a cache directory, then read as shards.
+
+The cache directory is named after what decides the tokens (source path, tokenizer, text field, decode errors);
+inside it, :func:`~lightning_hpz.data.preparation.prepare_corpus` re-prepares only when the source's files changed
+(size or modification time), so no text is hashed on start-up.
+"""
 
 from __future__ import annotations
 
 import hashlib
-import os
+import json
 from pathlib import Path
 
-import torch
-
+from lightning_hpz.data.corpus import is_default
 from lightning_hpz.data.tokenizers import Tokenizer
 
 
-def corpus_key(documents: list[str], tokenizer: Tokenizer) -> str:
-    """A name that changes whenever the text or the tokenizer changes."""
-    digest = hashlib.sha256(tokenizer.name.encode())
-    for doc in documents:
-        digest.update(hashlib.sha256(doc.encode("utf-8", errors="replace")).digest())
-    return digest.hexdigest()[:20]
+def cache_directory(source: str | Path, tokenizer: Tokenizer, text_field: str, errors: str, cache_dir: Path) -> Path:
+    """The directory ``source`` is prepared into: it changes with the source's location, tokenizer and options."""
+    where = str(source) if is_default(source) else str(Path(source).resolve())
+    identity = json.dumps([where, tokenizer.name, text_field, errors]).encode()
+    return Path(cache_dir) / f"{Path(where).name}-{tokenizer.name}-{hashlib.sha256(identity).hexdigest()[:16]}"
 
 
-def tokenize_documents(documents: list[str], tokenizer: Tokenizer) -> torch.Tensor:
-    """One stream of token ids: each document followed by the end-of-sequence token."""
-    ids: list[int] = []
-    for doc in documents:
-        ids.extend(tokenizer.encode(doc))
-        ids.append(tokenizer.eos_id)
-    return torch.tensor(ids, dtype=torch.int32)
+def prepare_into_cache(
+    source: str | Path, tokenizer_spec: str, tokenizer: Tokenizer, text_field: str, errors: str, cache_dir: Path
+) -> Path:
+    """Prepare ``source`` into its cache directory (in this process, once) and return that directory."""
+    from lightning_hpz.data.preparation import prepare_corpus
 
-
-def cached_token_stream(documents: list[str], tokenizer: Tokenizer, cache_dir: str | Path) -> torch.Tensor:
-    """The token stream of ``documents``, read from ``cache_dir`` when it was computed before."""
-    path = Path(cache_dir) / f"tokens-{corpus_key(documents, tokenizer)}.pt"
-    if path.is_file():
-        return torch.load(path, weights_only=True)
-    tokens = tokenize_documents(documents, tokenizer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(tokens, partial)
-    partial.replace(path)  # atomic: a rank reading concurrently never sees half a file
-    return tokens
+    directory = cache_directory(source, tokenizer, text_field, errors, cache_dir)
+    prepare_corpus(source, tokenizer_spec, directory, num_workers=1, text_field=text_field, errors=errors)
+    return directory

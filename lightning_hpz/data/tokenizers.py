@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 from pathlib import Path
 from typing import Protocol
+
+import numpy as np
 
 
 class Tokenizer(Protocol):
@@ -16,6 +19,8 @@ class Tokenizer(Protocol):
     eos_id: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_documents(self, documents: list[str]) -> np.ndarray: ...
 
     def sentinel_ids(self, count: int) -> list[int]: ...
 
@@ -39,6 +44,13 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [b + self.byte_offset for b in text.encode("utf-8")]
+
+    def encode_documents(self, documents: list[str]) -> np.ndarray:
+        """One stream of ids: each document's bytes followed by the end-of-sequence id (vectorized, no Python loop)."""
+        encoded = [doc.encode("utf-8") for doc in documents]
+        ids = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(np.int64) + self.byte_offset
+        ends = np.cumsum([len(data) for data in encoded])
+        return np.insert(ids, ends, self.eos_id)
 
     def decode(self, ids: list[int]) -> str:
         data = bytes(i - self.byte_offset for i in ids if self.byte_offset <= i < self.byte_offset + 256)
@@ -76,6 +88,11 @@ class HuggingFaceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_documents(self, documents: list[str]) -> np.ndarray:
+        """One stream of ids: each document followed by the end-of-sequence id, from one batched (Rust) call."""
+        batches = self._tokenizer(documents, add_special_tokens=False)["input_ids"]
+        return np.fromiter(itertools.chain.from_iterable((*ids, self.eos_id) for ids in batches), dtype=np.int64)
 
     def sentinel_ids(self, count: int) -> list[int]:
         ids = [self._tokenizer.convert_tokens_to_ids(f"<extra_id_{i}>") for i in range(count)]

@@ -1,0 +1,192 @@
+"""Tokenize a corpus once, in parallel and streaming, into a prepared directory (see :mod:`prepared_shards`).
+
+Documents are read lazily and grouped into batches of about a megabyte of text; each batch is encoded by one batched
+tokenizer call in one of ``num_workers`` processes; the results are written in source order. At most two batches per
+worker are in flight, so memory stays flat however large the corpus is.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lightning_hpz.data.corpus import CorpusError, is_default, iter_documents, stdlib_source_files
+from lightning_hpz.data.prepared_shards import (
+    Manifest,
+    PreparedDataError,
+    PreparedShards,
+    is_prepared,
+    read_manifest,
+    shard_dtype,
+)
+from lightning_hpz.data.shard_writer import DEFAULT_SHARD_TOKENS, ShardWriter, clear_preparation
+from lightning_hpz.data.tokenizers import Tokenizer, load_tokenizer
+
+BATCH_CHARACTERS = 1 << 20
+IN_FLIGHT_PER_WORKER = 2
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    tokens: np.ndarray  # already in the shard dtype
+    documents: int
+    max_token_id: int
+
+
+def source_fingerprint(source: str | Path) -> list[list[Any]]:
+    """``[name, size, mtime_ns]`` of every file the source is read from: cheap to compute, no text is hashed."""
+    if is_default(source):
+        from pydoc_data import topics
+
+        files = [Path(topics.__file__)] + (stdlib_source_files() if str(source) != "default" else [])
+        return [[path.name, *_size_and_mtime(path)] for path in files]
+    path = Path(source)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return [[str(p.relative_to(path)) if path.is_dir() else p.name, *_size_and_mtime(p)] for p in files]
+
+
+def _size_and_mtime(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+def prepare_corpus(
+    source: str | Path,
+    tokenizer: str,
+    out: str | Path,
+    num_workers: int = 1,
+    text_field: str = "text",
+    errors: str = "strict",
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    show_progress: bool = True,
+) -> Manifest:
+    """Prepare ``source`` into ``out`` unless ``out`` already holds it (same files, tokenizer and options).
+
+    Raises :class:`~lightning_hpz.data.corpus.CorpusError` for an unreadable or empty source.
+    """
+    if num_workers < 1:
+        raise ValueError(f"num_workers={num_workers} must be at least 1.")
+    loaded = load_tokenizer(tokenizer)
+    out = Path(out)
+    fingerprint = source_fingerprint(source) if is_default(source) or Path(source).exists() else []
+    if _already_prepared(out, loaded.name, text_field, errors, fingerprint):
+        return read_manifest(out)
+    iter_documents(source, text_field, errors)  # a missing source or bad option is refused before anything is removed
+    out.mkdir(parents=True, exist_ok=True)
+    clear_preparation(out)
+    writer = ShardWriter(out, shard_dtype(loaded.vocab_size), shard_tokens)
+    total_bytes = 0 if is_default(source) else sum(size for _, size, _ in fingerprint)  # 0: no total, no ETA
+    with _progress_bar(total_bytes, show_progress, out) as bar:
+        stream = iter_documents(source, text_field, errors, progress=bar.update)
+        try:
+            tokens, documents, max_id = _write_shards(stream, tokenizer, loaded, writer, num_workers)
+        except BaseException:
+            writer.abandon()
+            clear_preparation(out)  # nothing half-done stays behind: the next run starts from a clean directory
+            raise
+    if documents == 0:
+        clear_preparation(out)
+        raise CorpusError(f"The corpus {str(source)!r} holds no text. Point --source at a file with text in it.")
+    manifest = Manifest(
+        loaded.name, loaded.vocab_size, loaded.eos_id, writer.dtype.name, tokens, documents, max_id, str(source),
+        text_field, errors, fingerprint,
+    )  # fmt: skip
+    writer.finish(manifest)
+    return manifest
+
+
+def _write_shards(
+    stream: Iterator[str], spec: str, tokenizer: Tokenizer, writer: ShardWriter, num_workers: int
+) -> tuple[int, int, int]:
+    """Encode the documents into ``writer``: (tokens, documents, largest token id)."""
+    tokens, documents, max_id = 0, 0, -1
+    for batch in encoded_batches(stream, spec, tokenizer, writer.dtype, num_workers):
+        writer.append(batch.tokens)
+        tokens, documents = tokens + batch.tokens.size, documents + batch.documents
+        max_id = max(max_id, batch.max_token_id)
+    return tokens, documents, max_id
+
+
+def _already_prepared(out: Path, tokenizer: str, text_field: str, errors: str, fingerprint: list) -> bool:
+    if not fingerprint or not is_prepared(out):
+        return False
+    try:
+        manifest = read_manifest(out)
+        PreparedShards(out)  # every shard present and complete
+    except (PreparedDataError, ValueError, TypeError, OSError):
+        return False
+    wanted = (tokenizer, text_field, errors, fingerprint)
+    return (manifest.tokenizer, manifest.text_field, manifest.errors, manifest.fingerprint) == wanted
+
+
+def _progress_bar(total_bytes: int, show: bool, out: Path) -> Any:
+    from tqdm.auto import tqdm
+
+    description = f"prepare-data -> {out}"
+    return tqdm(
+        total=total_bytes or None, unit="B", unit_scale=True, unit_divisor=1024, desc=description, disable=not show
+    )
+
+
+def document_batches(documents: Iterator[str], characters: int = BATCH_CHARACTERS) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for doc in documents:
+        batch.append(doc)
+        size += len(doc)
+        if size >= characters:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def encoded_batches(
+    documents: Iterator[str], spec: str, tokenizer: Tokenizer, dtype: np.dtype, num_workers: int
+) -> Iterator[EncodedBatch]:
+    """Batches encoded in source order, by this process (one worker) or by a pool of ``num_workers`` processes."""
+    batches = document_batches(documents)
+    if num_workers == 1:
+        yield from (encode_batch(tokenizer, batch, dtype) for batch in batches)
+        return
+    # fork: the workers inherit the imported modules (no re-import of torch per worker). One core per worker: the
+    # Rust tokenizer's own thread pool would compete with the other workers.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    context = multiprocessing.get_context("fork")
+    with context.Pool(num_workers, initializer=_start_worker, initargs=(spec, dtype)) as pool:
+        pending: deque = deque()
+        for batch in batches:
+            pending.append(pool.apply_async(_encode_in_worker, (batch,)))
+            if len(pending) >= IN_FLIGHT_PER_WORKER * num_workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def encode_batch(tokenizer: Tokenizer, documents: list[str], dtype: np.dtype) -> EncodedBatch:
+    ids = tokenizer.encode_documents(documents)
+    max_id = int(ids.max()) if ids.size else -1
+    if max_id > np.iinfo(dtype).max:
+        raise PreparedDataError(
+            f"Token id {max_id} does not fit the shard dtype {dtype}: the tokenizer's vocab_size "
+            f"{tokenizer.vocab_size} is smaller than its ids. Use a consistent tokenizer."
+        )
+    return EncodedBatch(ids.astype(dtype), len(documents), max_id)
+
+
+_worker: dict[str, Any] = {}
+
+
+def _start_worker(spec: str, dtype: np.dtype) -> None:
+    _worker["tokenizer"], _worker["dtype"] = load_tokenizer(spec), dtype
+
+
+def _encode_in_worker(documents: list[str]) -> EncodedBatch:
+    return encode_batch(_worker["tokenizer"], documents, _worker["dtype"])
