@@ -192,7 +192,6 @@ class HpzSetup:
         finally:
             if self.copy_ordering is not None:
                 partitioning.uninstall(self.copy_ordering)
-                self.copy_ordering = None
 
     def _init_deepspeed_distributed(self) -> None:
         super()._init_deepspeed_distributed()

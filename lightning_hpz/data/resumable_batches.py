@@ -10,7 +10,7 @@ Resuming computes the next batch's indices from its position: nothing before it 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from torch.utils.data import Dataset, default_collate
@@ -44,6 +44,13 @@ class RankShare:
         return iter(self.indices(0, len(self)).tolist())
 
 
+class BatchShape(NamedTuple):
+    """How :class:`ResumableBatches` cuts batches, shaped like a DataLoader's ``batch_sampler`` for Lightning."""
+
+    sampler: RankShare
+    batch_size: int
+
+
 class ResumableBatches:
     """Fixed-size batches (last partial one dropped) of ``dataset`` in ``sampler``'s order; state = position.
 
@@ -63,6 +70,12 @@ class ResumableBatches:
 
     def __len__(self) -> int:
         return len(self.sampler) // self.batch_size
+
+    @property
+    def batch_sampler(self) -> BatchShape:
+        # Lightning reads `loader.batch_sampler.sampler` (`_is_dataloader_shuffled`, evaluation loaders) and
+        # `.batch_size` (DeepSpeedStrategy._auto_select_batch_size): what a DataLoader's batch sampler would answer.
+        return BatchShape(self.sampler, self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
         start, self._resume_at = self._resume_at, 0

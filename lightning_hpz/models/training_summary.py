@@ -81,7 +81,7 @@ class TrainingSummary(L.Callback):
         print(self.format(summary))
 
     def _write(self, trainer: L.Trainer, summary: dict[str, Any]) -> Path:
-        run_file = Path(trainer.log_dir or trainer.default_root_dir) / "summary.json"
+        run_file = _run_directory(trainer) / "summary.json"
         run_file.parent.mkdir(parents=True, exist_ok=True)
         run_file.write_text(json.dumps(summary, indent=2))
         if self.summary_file:
@@ -108,6 +108,15 @@ class TrainingSummary(L.Callback):
         if summary.get("export_dir"):
             lines.append(f"  exported to     {summary['export_dir']} (Hugging Face model + tokenizer)")
         return "\n".join(lines)
+
+
+def _run_directory(trainer: L.Trainer) -> Path:
+    """The run's own log directory, read on this rank alone: ``trainer.log_dir`` broadcasts (a collective), and the
+    summary is written by rank 0 only, also from ``on_exception`` while other ranks may be gone."""
+    logger = trainer.logger
+    if logger is None:
+        return Path(trainer.default_root_dir)
+    return Path(getattr(logger, "log_dir", None) or logger.save_dir or trainer.default_root_dir)
 
 
 def _point_link_at(link: Path, target: Path) -> None:
