@@ -22,6 +22,7 @@ REASON = unavailable_reason()
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.multiprocess,
+    pytest.mark.slow,
     pytest.mark.skipif(REASON is not None, reason=f"two-node testbed unavailable: {REASON}"),
 ]
 BENCH = [sys.executable, "-m", "lightning_hpz.cli", "bench"]

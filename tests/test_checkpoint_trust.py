@@ -19,6 +19,8 @@ from lightning_hpz.checkpoint import consolidate
 from lightning_hpz.checkpointing import read_manifest
 from lightning_hpz.checkpointing.manifest import file_digest
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
 DAMAGED_FILES = {
     "model_states": "checkpoint/zero_pp_rank_0_mp_rank_00_model_states.pt",
     "optimizer_shard": "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt",

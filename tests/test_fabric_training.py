@@ -11,7 +11,7 @@ import math
 import pytest
 from conftest import REGATHER_EVERY_MODULE, assert_succeeded, run_script
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 STEPS, SAVE_AT, CHECK_EVERY, REFRESH_AT = 20, 10, 5, 3
 
 

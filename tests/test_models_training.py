@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 from lightning_hpz.data import CausalLMDataModule, SpanCorruptionDataModule, default_corpus
 from lightning_hpz.models import T5, Falcon, Llama2
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 WORLD = 4
 STEPS = 24
 PROBE = torch.randint(3, 259, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -18,7 +18,7 @@ from conftest import SCRIPTS
 from lightning_hpz.callbacks.preemption_checkpoint import next_preemption_checkpoint
 from lightning_hpz.run_exit import PREEMPTED_EXIT_CODE, PreemptionSignals
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SCRIPT = str(SCRIPTS / "preemption_training.py")
 STEPS = 16

@@ -31,7 +31,7 @@ The last test is the issue's reproduction as reported: 4 ranks, ``strategy="hpz"
 import pytest
 from conftest import assert_succeeded, run_script
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 STRATEGIES = {"stage2": {"stage": 2}, "stage3_hpz2": {"stage": 3, "hpz_partition_size": 2}}
 CELLS = [  # (module, optimizer, strategy, checkpoint, accumulate), as in the docstring
