@@ -6,9 +6,7 @@ installed DeepSpeed) on first use, so code that only reads ``ds_*`` attributes w
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import Any
 
 import torch
 
@@ -16,6 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from lightning_hpz.lazy_names import lazy_names
 from lightning_hpz.partitioning.emulation import EMULATION_ENV_VAR, emulation_requested
 from lightning_hpz.partitioning.ordering import SYNC_MODES, CopyOrdering
 
@@ -36,12 +35,7 @@ _NEEDS_DEEPSPEED = {
     "optimizer_less_checkpoint_load": "inference_engine",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _NEEDS_DEEPSPEED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(f"{__name__}.{_NEEDS_DEEPSPEED[name]}")
-    return getattr(module, name)
+__getattr__, __dir__ = lazy_names(__name__, _NEEDS_DEEPSPEED)
 
 
 __all__ = ["EMULATION_ENV_VAR", "SYNC_MODES", "CopyOrdering", "emulation_requested", *_NEEDS_DEEPSPEED]
