@@ -1,16 +1,14 @@
-"""What a grid's strategy name means: the registered :data:`~lightning_hpz.strategy.STRATEGY_PRESETS` entry it is,
-its ZeRO stage, whether it uses hpZ, and what it offloads to host memory."""
+"""What a grid's strategy name means: the registered :data:`~lightning_hpz.strategy_presets.STRATEGY_PRESETS` entry
+it is, its ZeRO stage, whether it uses hpZ, and what it offloads to host memory."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
+from lightning_hpz.strategy_presets import STRATEGY_PRESETS  # plain data: no torch or Lightning import
 
-@functools.cache
+
 def _presets() -> dict[str, dict[str, Any]]:
-    from lightning_hpz.strategy import STRATEGY_PRESETS  # imports torch and lightning: only when asked
-
     return {name: dict(kwargs) for name, _, kwargs in STRATEGY_PRESETS}
 
 
