@@ -1,12 +1,13 @@
 """Atomic commit: a checkpoint appears at its path only once every rank's files are complete and checksummed.
 
 DeepSpeed writes ``latest`` from rank 0 whatever the other ranks did, so a rank that dies half-way through its shard
-leaves a directory that looks complete. Here the checkpoint is written into ``<path>.partial``; after a barrier each
-rank checksums the files it wrote (in parallel), rank 0 writes the manifest last and renames the directory into
-place. The staging directory lives in a hidden sibling folder (``.hpz-staging/``): Lightning finds ``ckpt_path="hpc"``
-by the largest number in any name containing ``hpc_ckpt_``, so a ``hpc_ckpt_3.ckpt.partial`` left by a job killed while
-saving would make the requeued job look for a ``hpc_ckpt_3.ckpt`` that does not exist. A crash at any point before that rename leaves ``<path>`` untouched: the previous checkpoint stays the newest,
-and Lightning (``ModelCheckpoint``'s paths, ``ckpt_path="last"``) never sees the partial one.
+leaves a directory that looks complete. Here the checkpoint is written into ``.hpz-staging/<name>.partial`` beside
+``<path>``; after a barrier each rank checksums the files it wrote (in parallel), rank 0 writes the manifest last and
+renames the directory into place. A crash at any point before that rename leaves ``<path>`` untouched: the previous
+checkpoint stays the newest, and Lightning (``ModelCheckpoint``'s paths, ``ckpt_path="last"``) never sees the partial
+one. The staging folder is hidden because Lightning finds ``ckpt_path="hpc"`` by the largest number in any name
+containing ``hpc_ckpt_``: a ``hpc_ckpt_3.ckpt.partial`` beside the others, left by a job killed while saving, would
+send the requeued job to a ``hpc_ckpt_3.ckpt`` that does not exist.
 """
 
 from __future__ import annotations
