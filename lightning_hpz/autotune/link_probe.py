@@ -21,7 +21,7 @@ from lightning_hpz.planning.tuning import LinkFigures
 START_BYTES = 256 * 1024
 MAX_BYTES = 64 * 2**20
 TARGET_SECONDS = 0.15  # long enough that set-up costs and timer noise are small next to the transfer
-REPEATS = 3
+REPEATS = 5
 LATENCY_REPEATS = 5
 
 
