@@ -1,0 +1,208 @@
+"""Prove the autotuner's pick on the two-node testbed: at each link speed, the tuned launch against a measured grid.
+
+    sudo python benchmarks/autotune_testbed.py --out results/autotune          # 50mbit, 200mbit and 2gbit
+    sudo python benchmarks/autotune_testbed.py --speeds 200mbit --rounds 1 --quick --out /tmp/atb_smoke
+
+Per speed, on one testbed (two network namespaces joined by a tc-shaped veth, 2 nodes x 2 CPU ranks):
+1. one launch with ``HpzStrategy(autotune=True)`` records the decision (the probe's link figures, every candidate with
+   its predictions, the pick) and its own step times;
+2. every candidate of that decision trains explicitly (its hpZ size and ZeRO-3 thresholds given), ``--rounds`` rounds
+   in alternating order; the medians of the measured steps (rounds pooled, warm-up left out) are compared.
+Checks per speed: the probe's inter-node rate within 15% of the tc rate, and the pick's median step time within 5% of
+the fastest fitting candidate's. ``results.json`` and ``results.md`` go to ``--out`` (rewritten after every speed), the
+runs to ``--out/<speed>/``. Exit code 0 only when every speed ran and passed both. Needs root, ``ip`` and ``tc``;
+each testbed is removed at the end, also after an error, Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shlex
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_hpz.bench import autotune_grid as grid
+from lightning_hpz.bench.command import EXIT_UNAVAILABLE, refuse_where_unavailable, signals_end_the_run
+from lightning_hpz.bench.launch import ConfigurationFailedError, Launch, run_configuration
+from lightning_hpz.bench.testbed import LinkShape, TestbedUnavailableError, TwoNodeTestbed
+
+PROGRAM = "autotune_testbed"
+DEFAULT_SPEEDS = ("50mbit", "200mbit", "2gbit")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.splitlines()[0])
+    parser.add_argument("--speeds", nargs="+", default=list(DEFAULT_SPEEDS), help="link rates, one testbed each (tc)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the measured grid, in alternating order")
+    parser.add_argument(
+        "--memory-gib", type=float, help="memory budget per rank given to the tuner (default: measured)"
+    )
+    parser.add_argument("--quick", action="store_true", help="the smaller benchmark model (QUICK_WORKLOAD)")
+    parser.add_argument("--steps", type=int, help="training steps per launch (default 8, --quick 6)")
+    parser.add_argument("--warmup", type=int, help="first steps left out of the measurement (default 2)")
+    parser.add_argument("--devices-per-node", type=int, default=2, help="processes per node (>= 2)")
+    parser.add_argument("--latency", default="0ms", help="added one-way delay (needs tc netem); default none")
+    parser.add_argument("--mtu", type=int, default=9000, help="MTU of the link")
+    parser.add_argument("--out", type=Path, required=True, help="folder for results.json/.md and the runs")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one launch may take")
+    parser.add_argument("--port", type=int, default=29710, help="first rendezvous port (inside the testbeds only)")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    args.steps = args.steps or (6 if args.quick else 8)
+    args.warmup = 2 if args.warmup is None else args.warmup
+    try:
+        for bandwidth in args.speeds:
+            LinkShape(bandwidth, args.latency, args.mtu)
+    except ValueError as err:
+        parser.error(str(err))
+    if len(set(args.speeds)) != len(args.speeds):
+        parser.error(f"--speeds {args.speeds}: a speed is listed twice; give each once.")
+    if args.devices_per_node < 2:
+        parser.error(f"--devices-per-node {args.devices_per_node}: hpZ needs at least 2 processes per node.")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: run at least one round.")
+    if args.warmup < 1 or args.steps < args.warmup + 2:
+        parser.error(f"--steps {args.steps} --warmup {args.warmup}: need warmup >= 1 and 2 measured steps after it.")
+    if args.memory_gib is not None and args.memory_gib <= 0:
+        parser.error(f"--memory-gib {args.memory_gib}: give a positive budget, or leave it out to have it measured.")
+    return args
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    command = f"python benchmarks/{PROGRAM}.py " + shlex.join(argv)
+    refuse_where_unavailable(PROGRAM)
+    workload = _workload(args.quick)
+    ports = itertools.count(args.port)  # a fresh rendezvous port per launch: the last may still be in TIME_WAIT
+    speeds: list[dict[str, Any]] = []
+    leftovers: list[str] = []
+    try:
+        with signals_end_the_run():
+            for bandwidth in args.speeds:
+                speed, left = run_speed(args, bandwidth, workload, ports)
+                speeds.append(speed)
+                leftovers += left
+                write_results(args, command, workload, speeds, leftovers)
+    except TestbedUnavailableError as err:
+        print(f"{PROGRAM}: {err}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the testbed is already removed
+        print(
+            f"{PROGRAM}: interrupted ({err or 'Ctrl-C'}); finished speeds are in {args.out}/results.json",
+            file=sys.stderr,
+        )
+        return 130
+    results = write_results(args, command, workload, speeds, leftovers)
+    print(grid.markdown(results))
+    print(f"results in {args.out}/results.json and results.md")
+    return 0 if results["all_pass"] and not leftovers else 1
+
+
+def run_speed(args: argparse.Namespace, bandwidth: str, workload: Any, ports: Iterator[int]) -> tuple[dict, list[str]]:
+    """The tuned launch and the measured grid on one testbed; returns the speed's summary and what was left over."""
+    started = time.monotonic()
+    base = args.out / bandwidth
+    tokens_per_step = 2 * args.devices_per_node * workload.tokens_per_rank_step
+    with TwoNodeTestbed(LinkShape(bandwidth, args.latency, args.mtu)) as testbed:
+
+        def launch(strategy_kwargs: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
+            spec = grid.launch_spec(strategy_kwargs, workload.to_dict(), args.steps, args.warmup, args.devices_per_node)
+            where = Launch(testbed, args.devices_per_node, next(ports), args.timeout)
+            return run_configuration(where, spec, run_dir)
+
+        _say(f"{bandwidth}: tuned launch (autotune=True, memory budget {args.memory_gib or 'measured'})")
+        try:
+            tuned = launch(grid.tuned_strategy_kwargs(args.memory_gib), base / "tuned")
+            decision = grid.recorded_decision(tuned)
+        except (ConfigurationFailedError, grid.DecisionMissingError) as err:
+            _say(f"{bandwidth}: tuned launch FAILED: {err}")
+            return grid.failed_speed(bandwidth, str(err)), testbed.leftovers()
+        _say(_decision_line(bandwidth, decision))
+        runs, failed = run_grid(args, bandwidth, decision["candidates"], base, launch)
+    speed = grid.summarize_speed(bandwidth, tuned, runs, failed, tokens_per_step)
+    speed["wall_s"] = time.monotonic() - started
+    _say(f"{bandwidth}: done in {speed['wall_s']:.0f} s")
+    return speed, testbed.leftovers()
+
+
+def run_grid(
+    args: argparse.Namespace, bandwidth: str, candidates: list[dict[str, Any]], base: Path, launch: Any
+) -> tuple[dict[str, list[list[dict[str, Any]]]], dict[str, str]]:
+    """Every candidate, explicitly, ``--rounds`` times in alternating order; a failed candidate is not retried."""
+    folders = {c["name"]: grid.run_folder(i, c["name"]) for i, c in enumerate(candidates)}
+    runs: dict[str, list[list[dict[str, Any]]]] = {c["name"]: [] for c in candidates}
+    failed: dict[str, str] = {}
+    for round_index, order in enumerate(grid.round_orders(candidates, args.rounds)):
+        for candidate in order:
+            name = candidate["name"]
+            if name in failed:
+                continue
+            _say(f"{bandwidth}: round {round_index + 1}/{args.rounds} {name}")
+            run_dir = base / folders[name] / f"round{round_index + 1}"
+            try:
+                runs[name].append(launch(grid.candidate_strategy_kwargs(candidate), run_dir))
+            except ConfigurationFailedError as err:
+                failed[name] = str(err)
+                _say(f"{bandwidth}: {name} FAILED: {err}")
+    return runs, failed
+
+
+def write_results(
+    args: argparse.Namespace, command: str, workload: Any, speeds: list[dict[str, Any]], leftovers: list[str]
+) -> dict[str, Any]:
+    from lightning_hpz.bench.workload import parameter_count
+
+    parameters = parameter_count(workload)
+    results = {
+        "title": f"2 nodes x {args.devices_per_node} CPU processes, {parameters / 1e6:.2f}M params fp32",
+        "command": command,
+        "workload": workload.to_dict(),
+        "parameter_count": parameters,
+        "devices_per_node": args.devices_per_node,
+        "latency": args.latency,
+        "mtu": args.mtu,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "memory_gib": args.memory_gib,
+        "speeds": speeds,
+        "speeds_not_run": [b for b in args.speeds if b not in {s["bandwidth"] for s in speeds}],
+        "all_pass": grid.all_pass(speeds) and len(speeds) == len(args.speeds),
+        "testbed_leftovers": leftovers,
+        "notes": grid.NOTES,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    (args.out / "results.md").write_text(grid.markdown(results))
+    return results
+
+
+def _workload(quick: bool) -> Any:
+    from lightning_hpz.bench.workload import FULL_WORKLOAD, QUICK_WORKLOAD  # torch: not needed for --help
+
+    return QUICK_WORKLOAD if quick else FULL_WORKLOAD
+
+
+def _decision_line(bandwidth: str, decision: dict[str, Any]) -> str:
+    links = decision["links"]
+    return (
+        f"{bandwidth}: probe inter-node {links['inter_node_gbps']:.3f} Gbit/s, intra-node "
+        f"{links['intra_node_gbps']:.3f} Gbit/s; pick {decision['candidate']} of {len(decision['candidates'])}"
+    )
+
+
+def _say(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} autotune] {line}", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
