@@ -255,7 +255,9 @@ def test_bad_script_arguments_are_named(argv, message, capsys):
 
 def test_without_root_the_script_refuses_before_building_anything(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(testbed.os, "geteuid", lambda: 1000)
-    assert _script().main(["--quick", "--out", str(tmp_path / "out")]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        _script().main(["--quick", "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
     assert "needs root" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
