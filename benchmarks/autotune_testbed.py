@@ -7,7 +7,10 @@ Per speed, on one testbed (two network namespaces joined by a tc-shaped veth, 2 
 1. one launch with ``HpzStrategy(autotune=True)`` records the decision (the probe's link figures, every candidate with
    its predictions, the pick) and its own step times;
 2. every candidate of that decision trains explicitly (its hpZ size and ZeRO-3 thresholds given), ``--rounds`` rounds
-   in alternating order; the medians of the measured steps (rounds pooled, warm-up left out) are compared.
+   in alternating order; the medians of the measured steps (rounds pooled, warm-up left out) are compared. A round is
+   one launch that trains the candidates one after the other (a new Trainer and strategy each, the processes and
+   their start-up shared: about 40 s of a launch on 2 cores is start-up); ``--separate-launches`` starts a launch per
+   candidate and round instead (slower, nothing shared).
 Checks per speed: the probe's inter-node rate within 15% of the tc rate, and the pick's median step time within 5% of
 the fastest fitting candidate's. ``results.json`` and ``results.md`` go to ``--out`` (rewritten after every speed), the
 runs to ``--out/<speed>/``. Exit code 0 only when every speed ran and passed both. Needs root, ``ip`` and ``tc``;
@@ -22,13 +25,13 @@ import json
 import shlex
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning_hpz.bench import autotune_grid as grid
 from lightning_hpz.bench.command import EXIT_UNAVAILABLE, refuse_where_unavailable, signals_end_the_run
-from lightning_hpz.bench.launch import ConfigurationFailedError, Launch, run_configuration
+from lightning_hpz.bench.launch import ConfigurationFailedError, Launch, run_configuration, run_sequence
 from lightning_hpz.bench.testbed import LinkShape, TestbedUnavailableError, TwoNodeTestbed
 
 PROGRAM = "autotune_testbed"
@@ -49,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency", default="0ms", help="added one-way delay (needs tc netem); default none")
     parser.add_argument("--mtu", type=int, default=9000, help="MTU of the link")
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json/.md and the runs")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds one launch may take")
+    parser.add_argument(
+        "--separate-launches", action="store_true", help="one launch per candidate and round (default: one per round)"
+    )
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one launch may take")
     parser.add_argument("--port", type=int, default=29710, help="first rendezvous port (inside the testbeds only)")
     return parser
 
@@ -114,20 +120,25 @@ def run_speed(args: argparse.Namespace, bandwidth: str, workload: Any, ports: It
     tokens_per_step = 2 * args.devices_per_node * workload.tokens_per_rank_step
     with TwoNodeTestbed(LinkShape(bandwidth, args.latency, args.mtu)) as testbed:
 
-        def launch(strategy_kwargs: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
-            spec = grid.launch_spec(strategy_kwargs, workload.to_dict(), args.steps, args.warmup, args.devices_per_node)
-            where = Launch(testbed, args.devices_per_node, next(ports), args.timeout)
-            return run_configuration(where, spec, run_dir)
+        def launch() -> Launch:
+            return Launch(testbed, args.devices_per_node, next(ports), args.timeout)
 
         _say(f"{bandwidth}: tuned launch (autotune=True, memory budget {args.memory_gib or 'measured'})")
+        spec = grid.launch_spec(
+            grid.tuned_strategy_kwargs(args.memory_gib),
+            workload.to_dict(),
+            args.steps,
+            args.warmup,
+            args.devices_per_node,
+        )
         try:
-            tuned = launch(grid.tuned_strategy_kwargs(args.memory_gib), base / "tuned")
+            tuned = run_configuration(launch(), spec, base / "tuned")
             decision = grid.recorded_decision(tuned)
         except (ConfigurationFailedError, grid.DecisionMissingError) as err:
             _say(f"{bandwidth}: tuned launch FAILED: {err}")
             return grid.failed_speed(bandwidth, str(err)), testbed.leftovers()
         _say(_decision_line(bandwidth, decision))
-        runs, failed = run_grid(args, bandwidth, decision["candidates"], base, launch)
+        runs, failed = run_grid(args, bandwidth, decision["candidates"], base, workload, launch)
     speed = grid.summarize_speed(bandwidth, tuned, runs, failed, tokens_per_step)
     speed["wall_s"] = time.monotonic() - started
     _say(f"{bandwidth}: done in {speed['wall_s']:.0f} s")
@@ -135,25 +146,50 @@ def run_speed(args: argparse.Namespace, bandwidth: str, workload: Any, ports: It
 
 
 def run_grid(
-    args: argparse.Namespace, bandwidth: str, candidates: list[dict[str, Any]], base: Path, launch: Any
+    args: argparse.Namespace,
+    bandwidth: str,
+    candidates: list[dict[str, Any]],
+    base: Path,
+    workload: Any,
+    launch: Callable[[], Launch],
 ) -> tuple[dict[str, list[list[dict[str, Any]]]], dict[str, str]]:
     """Every candidate, explicitly, ``--rounds`` times in alternating order; a failed candidate is not retried."""
-    folders = {c["name"]: grid.run_folder(i, c["name"]) for i, c in enumerate(candidates)}
+    folders = {c["name"]: base / grid.run_folder(i, c["name"]) for i, c in enumerate(candidates)}
     runs: dict[str, list[list[dict[str, Any]]]] = {c["name"]: [] for c in candidates}
     failed: dict[str, str] = {}
     for round_index, order in enumerate(grid.round_orders(candidates, args.rounds)):
-        for candidate in order:
-            name = candidate["name"]
-            if name in failed:
+        round_name = f"round{round_index + 1}"
+        for group in [[c] for c in order] if args.separate_launches else [order]:
+            group = [c for c in group if c["name"] not in failed]
+            if not group:
                 continue
-            _say(f"{bandwidth}: round {round_index + 1}/{args.rounds} {name}")
-            run_dir = base / folders[name] / f"round{round_index + 1}"
-            try:
-                runs[name].append(launch(grid.candidate_strategy_kwargs(candidate), run_dir))
-            except ConfigurationFailedError as err:
-                failed[name] = str(err)
-                _say(f"{bandwidth}: {name} FAILED: {err}")
+            names = [c["name"] for c in group]
+            _say(f"{bandwidth}: {round_name}/{args.rounds} {', '.join(names)}")
+            entries = [(grid.candidate_strategy_kwargs(c), str(folders[c["name"]] / round_name)) for c in group]
+            spec = grid.sequence_spec(entries, workload.to_dict(), args.steps, args.warmup, args.devices_per_node)
+            where = base / ("launches" if not args.separate_launches else folders[names[0]].name) / round_name
+            records, error = run_sequence(launch(), spec, where)
+            _collect(names, records, error, runs, failed, bandwidth)
     return runs, failed
+
+
+def _collect(
+    names: list[str],
+    records: list[Optional[list[dict[str, Any]]]],
+    error: Optional[str],
+    runs: dict[str, list[list[dict[str, Any]]]],
+    failed: dict[str, str],
+    bandwidth: str,
+) -> None:
+    """Keep what a launch finished; the first candidate without records is the one that failed (those after it in
+    the same launch did not start, and run again next round)."""
+    for name, found in zip(names, records, strict=True):
+        if found is not None:
+            runs[name].append(found)
+            continue
+        failed[name] = error or "its ranks wrote no records"
+        _say(f"{bandwidth}: {name} FAILED: {failed[name]}")
+        return
 
 
 def write_results(

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 from lightning_hpz.bench import autotune_grid as grid
-from lightning_hpz.bench import configurations, testbed, worker
+from lightning_hpz.bench import configurations, lightning_worker, testbed, worker
+from lightning_hpz.bench import launch as launch_module
 from lightning_hpz.bench.lightning_worker import StepRecording, strategy_kwargs
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "autotune_testbed.py"
@@ -271,36 +272,101 @@ class _FakeTestbed(nullcontext):
         return []
 
 
-def test_the_script_runs_the_tuned_launch_then_every_candidate_each_round(monkeypatch, tmp_path):
-    script = _script()
-    monkeypatch.setattr(script, "refuse_where_unavailable", lambda program: None)
-    monkeypatch.setattr(script, "TwoNodeTestbed", _FakeTestbed)
+def _fake_launches(monkeypatch, script, tmp_path):
+    """Stand-ins for the two launch functions: the tuned launch decides, hpZ-1 candidates crash their launch."""
     launched = []
 
-    def fake_run(launch, spec, run_dir):
-        launched.append((launch.testbed.shape.bandwidth, run_dir.relative_to(tmp_path).as_posix()))
-        kwargs = spec["strategy_kwargs"]
-        if kwargs.get("autotune"):
-            assert kwargs["autotune_memory_gib"] == 3.0
-            return _records([1.0] * 4, decision=_decision(inter_gbps=0.2), zero=_applied(2, REGATHER))
-        if kwargs["hpz_partition_size"] == 1:
-            raise script.ConfigurationFailedError("ranks died")
-        return _records([1.0] * 4)
+    def run_configuration(launch, spec, run_dir):
+        launched.append(("tuned", run_dir.relative_to(tmp_path).as_posix()))
+        assert spec["strategy_kwargs"] == {"stage": 3, "autotune": True, "autotune_memory_gib": 3.0}
+        return _records([1.0] * 4, decision=_decision(inter_gbps=0.2), zero=_applied(2, REGATHER))
 
-    monkeypatch.setattr(script, "run_configuration", fake_run)
-    argv = ["--quick", "--speeds", "200mbit", "--rounds", "2", "--memory-gib", "3", "--out", str(tmp_path)]
-    assert script.main(argv) == 1  # a candidate failed
-    assert [where for _, where in launched] == [
-        "200mbit/tuned",
+    def run_sequence(launch, spec, run_dir):
+        outs = [Path(entry["out"]).relative_to(tmp_path).as_posix() for entry in spec["runs"]]
+        launched.append((run_dir.relative_to(tmp_path).as_posix(), outs))
+        records = []
+        for entry in spec["runs"]:
+            if entry["strategy_kwargs"]["hpz_partition_size"] == 1:
+                return records + [None] * (len(spec["runs"]) - len(records)), "ranks died"
+            records.append(_records([1.0] * 4))
+        return records, None
+
+    monkeypatch.setattr(script, "refuse_where_unavailable", lambda program: None)
+    monkeypatch.setattr(script, "TwoNodeTestbed", _FakeTestbed)
+    monkeypatch.setattr(script, "run_configuration", run_configuration)
+    monkeypatch.setattr(script, "run_sequence", run_sequence)
+    return launched
+
+
+ARGV = ["--quick", "--speeds", "200mbit", "--rounds", "2", "--memory-gib", "3"]
+
+
+def test_a_round_is_one_launch_of_every_candidate_in_alternating_order(monkeypatch, tmp_path):
+    script = _script()
+    launched = _fake_launches(monkeypatch, script, tmp_path)
+    assert script.main([*ARGV, "--out", str(tmp_path)]) == 1  # a candidate failed
+    round1 = [f"200mbit/{folder}/round1" for folder in ("00-zero3-regather", "01-hpz2-regather", "02-hpz2-keep")]
+    assert launched == [
+        ("tuned", "200mbit/tuned"),
+        ("200mbit/launches/round1", round1),  # the first crashed: the others in it did not run
+        ("200mbit/launches/round2", ["200mbit/02-hpz2-keep/round2", "200mbit/01-hpz2-regather/round2"]),
+    ]
+    results = json.loads((tmp_path / "results.json").read_text())
+    (speed,) = results["speeds"]
+    assert speed["failed"] == {"zero3-regather": "ranks died"}
+    rows = {row["name"]: row for row in speed["candidates"]}
+    assert rows["hpz2-regather"]["rounds"] == 1  # missed round 1: the launch crashed before it
+    assert speed["fastest"] == "hpz2-regather" and speed["pick_check"] == "PASS"
+    assert not results["all_pass"]
+    assert (tmp_path / "results.md").read_text().startswith("Command: `python benchmarks/autotune_testbed.py")
+
+
+def test_separate_launches_start_one_launch_per_candidate_and_round(monkeypatch, tmp_path):
+    script = _script()
+    launched = _fake_launches(monkeypatch, script, tmp_path)
+    assert script.main([*ARGV, "--separate-launches", "--out", str(tmp_path)]) == 1
+    assert [where for where, _ in launched] == [
+        "tuned",
         "200mbit/00-zero3-regather/round1",
         "200mbit/01-hpz2-regather/round1",
         "200mbit/02-hpz2-keep/round1",
         "200mbit/02-hpz2-keep/round2",  # the failed candidate is not retried
         "200mbit/01-hpz2-regather/round2",
     ]
-    results = json.loads((tmp_path / "results.json").read_text())
-    (speed,) = results["speeds"]
-    assert speed["failed"] == {"zero3-regather": "ranks died"}
-    assert speed["fastest"] == "hpz2-regather" and speed["pick_check"] == "PASS"
-    assert not results["all_pass"]
-    assert (tmp_path / "results.md").read_text().startswith("Command: `python benchmarks/autotune_testbed.py")
+    (speed,) = json.loads((tmp_path / "results.json").read_text())["speeds"]
+    assert {row["name"]: row["rounds"] for row in speed["candidates"]} == {
+        "zero3-regather": 0,
+        "hpz2-regather": 2,
+        "hpz2-keep": 2,
+    }
+
+
+# ---------------------------------------------------------------------------------------- several runs, one launch
+def test_a_worker_trains_each_entry_of_a_sequence_with_its_own_arguments(monkeypatch):
+    trained = []
+    monkeypatch.setattr(lightning_worker, "train", lambda spec, configuration, workload: trained.append(spec))
+    entries = [({"stage": 3, "hpz_partition_size": 1}, "/a"), ({"stage": 3, "hpz_partition_size": 2}, "/b")]
+    spec = grid.sequence_spec(entries, {}, steps=6, warmup=2, devices=2)
+    lightning_worker.run(spec, configurations.CONFIGURATIONS[spec["configuration"]], None)
+    assert [(s["strategy_kwargs"]["hpz_partition_size"], s["out"], s["steps"]) for s in trained] == [
+        (1, "/a", 6),
+        (2, "/b", 6),
+    ]
+
+
+def test_a_failed_sequence_keeps_what_finished(monkeypatch, tmp_path):
+    def first_only(launch, spec, run_dir):
+        out = Path(spec["runs"][0]["out"])
+        for rank in range(4):
+            (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank}))
+        raise launch_module.ConfigurationFailedError("a node's torchrun exited with [1, None]")
+
+    monkeypatch.setattr(launch_module, "run_ranks", first_only)
+    spec = grid.sequence_spec([({}, str(tmp_path / "a")), ({}, str(tmp_path / "b"))], {}, 6, 2, 2)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "rank0.json").write_text("{}")  # stale, from an earlier run
+    where = launch_module.Launch(testbed=None, devices_per_node=2, port=0, timeout_s=1)
+    records, error = launch_module.run_sequence(where, spec, tmp_path / "launch")
+    assert [r["rank"] for r in records[0]] == [0, 1, 2, 3]
+    assert records[1] is None
+    assert "exited with [1, None]" in error

@@ -73,6 +73,16 @@ def launch_spec(
     }
 
 
+def sequence_spec(
+    entries: list[tuple[dict[str, Any], str]], workload: dict[str, Any], steps: int, warmup: int, devices: int
+) -> dict[str, Any]:
+    """A spec that trains each ``(strategy_kwargs, out folder)`` entry in turn within one launch."""
+    spec = launch_spec({}, workload, steps, warmup, devices)
+    del spec["strategy_kwargs"]
+    spec["runs"] = [{"strategy_kwargs": kwargs, "out": out} for kwargs, out in entries]
+    return spec
+
+
 def run_folder(index: int, name: str) -> str:
     """A folder name for a candidate's runs: its position (names may repeat after cleaning) and its name, path-safe."""
     return f"{index:02d}-{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}"

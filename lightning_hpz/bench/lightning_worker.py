@@ -3,11 +3,14 @@
 Started by torchrun (Lightning detects it through ``TorchElasticEnvironment``), with ``num_nodes=2`` and
 ``devices=<devices per node>``; the step times and link counters come from a callback at each batch end.
 A spec's ``"strategy_kwargs"`` replace the configuration's :class:`~lightning_hpz.HpzStrategy` arguments (the autotune
-benchmark runs the tuner and each of its candidates this way); a tuned strategy's decision goes into the record.
+benchmark runs the tuner and each of its candidates this way); a tuned strategy's decision goes into the record. A spec
+with ``"runs"`` (each entry its own ``"strategy_kwargs"`` and ``"out"``) trains once per entry, one after the other in
+the same processes: a new Trainer and strategy each time, the process group and the start-up cost shared.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -65,6 +68,13 @@ def strategy_kwargs(spec: dict[str, Any], configuration: BenchConfiguration) -> 
 
 
 def run(spec: dict[str, Any], configuration: BenchConfiguration, workload: Workload) -> None:
+    """Train once, or once per entry of ``spec["runs"]`` (entries override the spec's keys)."""
+    for entry in spec.get("runs", [{}]):
+        train(spec | entry, configuration, workload)
+        gc.collect()  # drop the finished engine before the next one is built
+
+
+def train(spec: dict[str, Any], configuration: BenchConfiguration, workload: Workload) -> None:
     import lightning_hpz
 
     devices = spec["devices_per_node"]
