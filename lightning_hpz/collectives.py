@@ -80,6 +80,44 @@ def broadcast_object(obj: Any, src: int = 0, group: Optional[Any] = None) -> Any
     return holder[0]
 
 
+def new_subgroups(rank_lists: list[list[int]]) -> Optional[Any]:
+    """Create one group per list (every rank must call this with the same lists); returns this rank's group."""
+    if not is_distributed():
+        return None
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks=ranks)
+        if rank() in ranks:
+            mine = group
+    return mine
+
+
+def destroy_group(group: Optional[Any]) -> None:
+    """Release a group made by :func:`new_subgroups` (its connections, its NCCL communicator)."""
+    if group is not None and is_distributed():
+        dist.destroy_process_group(group)
+
+
+def timed_all_gather(elements: int, group: Optional[Any] = None) -> float:
+    """Seconds this rank spends in one all-gather of ``elements`` bytes per rank over ``group`` (device-synced)."""
+    import time
+
+    device = collective_device(group)
+    piece = torch.zeros(elements, dtype=torch.uint8, device=device)
+    output = torch.empty(elements * world_size(group), dtype=torch.uint8, device=device)
+    _synchronize(device)
+    start = time.perf_counter()
+    if is_distributed():
+        dist.all_gather(list(output.chunk(world_size(group))), piece, group=group)  # gloo has no all_gather_into
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def barrier(group: Optional[Any] = None) -> None:
     if is_distributed():
         dist.barrier(group=group)

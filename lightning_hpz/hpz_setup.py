@@ -21,7 +21,10 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hpz import collectives, partitioning
 from lightning_hpz import config as cfg
+from lightning_hpz.autotune.tuner import Autotuner, fixed_settings
 from lightning_hpz.partitioning.ordering import SYNC_MODES
+from lightning_hpz.planning.communication import ClusterLayout
+from lightning_hpz.planning.tuning_decision import TuningDecision
 from lightning_hpz.strategy_presets import STRATEGY_PRESETS
 
 
@@ -44,6 +47,15 @@ class HpzSetup:
             environment variable.
         verify_after_load: after loading a checkpoint or a state dict, check at the next training step that every
             secondary partition matches its primary partitions, and raise if not. Default True.
+        autotune: ``True``: measure the links once the processes are up and choose the hpZ size and the ZeRO-3
+            thresholds (``stage3_max_live_parameters``, ``stage3_max_reuse_distance``, ``stage3_prefetch_bucket_size``,
+            ``stage3_param_persistence_threshold``) you left unset, from the planner's predictions (one table in the
+            log; ``strategy.autotune_decision``). A resume re-uses the choice recorded in the checkpoint;
+            ``"retune"`` measures anew. Stage 3 only. Default False.
+        autotune_memory_gib: the memory budget per rank the tuner's choice must fit (80% of it; the rest is left for
+            activations). Default: the device's memory (CPU: the host's, shared by the node's ranks).
+        autotune_checkpoint: the checkpoint whose recorded choice to re-use (the Trainer finds the one it resumes
+            itself; Fabric users pass the directory given to ``fabric.load``).
         config: a DeepSpeed config dict or JSON path (default: the file named by ``PL_DEEPSPEED_CONFIG_PATH``, as in
             Lightning), merged over the strategy's defaults (nested sections key by key); a value given both here and
             as one of the arguments above must agree.
@@ -64,6 +76,9 @@ class HpzSetup:
         hpz_sync: str = "event",
         emulate_async_copy: Optional[bool] = None,
         verify_after_load: bool = True,
+        autotune: Union[bool, str] = False,
+        autotune_memory_gib: Optional[float] = None,
+        autotune_checkpoint: Union[str, Path, None] = None,
         config: Union[dict[str, Any], str, Path, None] = None,
         **kwargs: Any,
     ) -> None:
@@ -86,6 +101,8 @@ class HpzSetup:
             partitioning.emulation_requested() if emulate_async_copy is None else emulate_async_copy
         )
         self.verify_after_load = verify_after_load
+        self._autotuner = _autotuner(autotune, autotune_memory_gib, self.zero_settings, hpz_partition_size, user_config)
+        self.autotune_checkpoint = autotune_checkpoint
         self.hpz_partition_size: Optional[int] = None  # resolved once the cluster layout is known
         self.preset_name: Optional[str] = None  # the registered name it was built from, for messages
         self.copy_ordering: Optional[partitioning.CopyOrdering] = None
@@ -148,7 +165,9 @@ class HpzSetup:
         self.hpz_partition_size = size
         if settings.stage:  # stage 0 (zero_optimization=False) keeps ZeRO off, as in Lightning
             self.config.setdefault("zero_optimization", {}).update(cfg.zero_section(settings, size))
-        if settings.hpz_partition_size == "auto":
+        if self._autotuner is not None and self._autotuner.fixed.hpz_partition_size is None:
+            rank_zero_info("hpZ partition size: chosen by the autotuner once the processes are up (autotune=True).")
+        elif settings.hpz_partition_size == "auto":
             rank_zero_info(how)
 
     def _refuse_quantization_without_cuda(self) -> None:
@@ -177,6 +196,10 @@ class HpzSetup:
             super(self._lightning_deepspeed_strategy, self).setup_environment()
         else:
             super().setup_environment()
+        if self._autotuner is not None:
+            self._autotuner.start(self._layout(), self._autotune_resume_path())
+            if self._autotuner.decision is not None:  # re-used from the checkpoint: known before anything is built
+                self._apply_autotune(self._autotuner.decision)
         # Scoped to this strategy: wrapped from here to teardown (also after an exception), DeepSpeed as shipped after.
         self.copy_ordering = partitioning.install(self.hpz_sync, emulate_async_copy=self.emulate_async_copy)
         if self.hpz_sync == "none" and (self.hpz_partition_size or 1) > 1:
@@ -212,11 +235,47 @@ class HpzSetup:
                     "Launch with ranks grouped by node (torchrun and SLURM do), or set hpz_partition_size=1."
                 )
 
+    # ----------------------------------------------------------------------------------------------- autotune
+    @property
+    def autotune_decision(self) -> Optional[TuningDecision]:
+        """What the autotuner chose (None without ``autotune``, or before the engine is built)."""
+        return self._autotuner.decision if self._autotuner is not None else None
+
+    def _layout(self) -> ClusterLayout:
+        return ClusterLayout(self.num_nodes, self.devices_per_node)
+
+    def _autotune_resume_path(self) -> Union[str, Path, None]:
+        return self.autotune_checkpoint
+
+    def _tune_structure(self, module: Optional[torch.nn.Module]) -> None:
+        """Before a ``zero.Init`` converts parameters: fix the hpZ size and persistence threshold they are made with."""
+        if self._autotuner is None or self._autotuner.decision is not None:
+            return
+        self._autotuner.decide_structure(module or torch.nn.Module(), self._layout(), self.config)
+        pinned = self._autotuner.structure
+        assert pinned is not None
+        self._apply_zero_keys({"zero_hpz_partition_size": pinned.hpz_partition_size, **pinned.thresholds})
+
+    def _apply_autotune(self, decision: TuningDecision) -> None:
+        self._apply_zero_keys(decision.zero_section())
+
+    def _apply_zero_keys(self, keys: dict[str, Any]) -> None:
+        size = int(keys.get("zero_hpz_partition_size", self.hpz_partition_size or 1))
+        cfg.validate_layout(size, self.devices_per_node, self.num_nodes)
+        self.config.setdefault("zero_optimization", {}).update(keys)
+        changed = size != (self.hpz_partition_size or 1)
+        self.hpz_partition_size = size
+        if changed:
+            self._check_secondary_groups_within_nodes()
+
     def _initialize_deepspeed(
         self, model: torch.nn.Module, optimizer: Any = None, lr_scheduler: Any = None
     ) -> tuple[Any, Any, Any, Any]:
         """``deepspeed.initialize`` with this strategy's config: (engine, optimizer, dataloader, scheduler)."""
         import deepspeed
+
+        if self._autotuner is not None:
+            self._apply_autotune(self._autotuner.decide(model, self._layout(), self.config))
 
         return deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._deepspeed_device_rank),
@@ -282,6 +341,22 @@ def _built_as(cls: type, preset_name: str) -> Any:
         return strategy
 
     return build
+
+
+def _autotuner(
+    mode: Union[bool, str], memory_gib: Optional[float], settings: Any, hpz_partition_size: Any, user_config: dict
+) -> Optional[Autotuner]:
+    if mode is False:
+        return None
+    if settings.stage != 3:
+        raise cfg.HpzConfigurationError(
+            f"autotune={mode!r} chooses the hpZ size and ZeRO-3's thresholds, so it needs stage=3 (stage="
+            f"{settings.stage}). Use stage=3, or autotune=False."
+        )
+    try:
+        return Autotuner(mode, memory_gib, fixed_settings(hpz_partition_size, user_config))
+    except ValueError as err:
+        raise cfg.HpzConfigurationError(str(err)) from err
 
 
 def _use_deepspeed_cpu_accelerator() -> None:

@@ -17,6 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_hpz import data_order, epoch_end_checkpoint, partitioning, random_layers, rank_failure
+from lightning_hpz.autotune import resume_path
 from lightning_hpz.callbacks.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz.checkpointing import commit, compatibility, resume
 from lightning_hpz.checkpointing.errors import CheckpointRefusedError
@@ -143,6 +144,12 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         children = self.launcher.procs if isinstance(self.launcher, _SubprocessScriptLauncher) else None
         rank_failure.release_peers(children, self.failure_grace_period)
 
+    @override
+    def _autotune_resume_path(self) -> Optional[Any]:
+        if self.autotune_checkpoint is not None or self.lightning_module is None:
+            return self.autotune_checkpoint
+        return resume_path.fit_resume_path(self.lightning_module.trainer)
+
     # ----------------------------------------------------------------------------------------------- secondaries
     @override
     def _hpz_module(self) -> torch.nn.Module:
@@ -185,6 +192,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     @override
     @contextlib.contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
+        self._tune_structure(self.lightning_module)  # zero.Init builds parameters with the hpZ size it finds
         with super().model_sharded_context():
             yield
         # `configure_model` may have written weights into the shards: no secondary copy may keep the old values.

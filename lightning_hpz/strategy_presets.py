@@ -10,6 +10,11 @@ from typing import Any
 STRATEGY_PRESETS: list[tuple[str, str, dict[str, Any]]] = [
     ("hpz", "ZeRO-3 + hpZ (secondary partition = devices per node), stabilized; CPU and GPU", {}),
     (
+        "hpz_auto",
+        "ZeRO-3 + hpZ, hpZ size and ZeRO-3 thresholds chosen from link measurements at start-up",
+        {"autotune": True},
+    ),
+    (
         "hpz_offload",
         "ZeRO-3 + hpZ with optimizer states offloaded to CPU memory",
         {"offload_optimizer": True},

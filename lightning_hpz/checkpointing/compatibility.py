@@ -12,7 +12,9 @@ def describe_run(strategy: Any, global_step: Optional[int] = None, epoch: Option
     module = strategy.lightning_module
     engine = strategy.model
     optimizer = getattr(engine, "basic_optimizer", None)  # the user's optimizer, inside DeepSpeed's ZeRO wrapper
+    decision = getattr(strategy, "autotune_decision", None)
     return {
+        "autotune": decision.to_dict() if decision is not None else None,  # re-used by a resume (autotune/tuner.py)
         "stage": int((strategy.config.get("zero_optimization") or {}).get("stage", 0)),  # 0: ZeRO off
         "world_size": int(strategy.world_size),
         "hpz_partition_size": int(getattr(strategy, "hpz_partition_size", None) or 1),

@@ -58,6 +58,11 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         return engine, deepspeed_optimizer, deepspeed_scheduler
 
     @override
+    def module_sharded_context(self) -> Any:
+        self._tune_structure(None)  # zero.Init builds parameters with the hpZ size it finds; the model is not known yet
+        return super().module_sharded_context()
+
+    @override
     def _hpz_module(self) -> torch.nn.Module:
         if self._deepspeed_engine is None:
             raise RuntimeError(

@@ -1,0 +1,1 @@
+"""Choosing the hpZ size and ZeRO-3 thresholds from link measurements (``HpzStrategy(autotune=True)``)."""

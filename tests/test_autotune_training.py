@@ -1,0 +1,94 @@
+"""``HpzStrategy(autotune=True)`` in real processes: two simulated nodes of 2 CPU ranks each (gloo), one launch.
+
+Asserts that every rank applies the same choice, that the DeepSpeed engine is built with it, that a resume re-uses the
+checkpoint's choice without measuring, and that values the user gave are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import SCRIPTS
+
+TUNED_KEYS = (
+    "zero_hpz_partition_size",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> dict[int, dict]:
+    out = tmp_path_factory.mktemp("autotune")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, str(SCRIPTS / "autotune_training.py"), json.dumps({"out": str(out)})]
+    with open(out / "node0.log", "w") as log0, open(out / "node1.log", "w") as log1:
+        nodes = [
+            subprocess.Popen(command, env={**env, "NODE_RANK": str(n)}, stdout=log, stderr=subprocess.STDOUT, cwd=out)
+            for n, log in enumerate((log0, log1))
+        ]
+        try:
+            codes = [node.wait(timeout=300) for node in nodes]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+    output = "".join((out / f"node{n}.log").read_text()[-3000:] for n in (0, 1))
+    assert codes == [0, 0], output
+    records = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert sorted(records) == [0, 1, 2, 3], output
+    return records
+
+
+def test_every_rank_applies_the_same_measured_choice(ranks):
+    decisions = [ranks[r]["tuned"]["decision"] for r in range(4)]
+    assert all(d == decisions[0] for d in decisions)
+    decision = decisions[0]
+    assert decision["source"] == "probe" and decision["layout"] == [2, 2]
+    assert decision["links"]["inter_node_gbps"] > 0 and decision["links"]["intra_node_gbps"] > 0
+    assert decision["links"]["probe_seconds"] < 5
+    assert {c["hpz_partition_size"] for c in decision["candidates"]} == {1, 2}
+    assert decision["candidate"] in {c["name"] for c in decision["candidates"] if c["fits"]}
+
+
+def test_the_engine_is_built_with_the_choice(ranks):
+    for r in range(4):
+        tuned = ranks[r]["tuned"]
+        chosen = {
+            "zero_hpz_partition_size": tuned["decision"]["hpz_partition_size"],
+            **tuned["decision"]["zero_thresholds"],
+        }
+        assert tuned["strategy_config"] == chosen
+        assert tuned["engine_config"] == chosen
+
+
+def test_a_resume_reuses_the_checkpoints_choice_without_measuring(ranks):
+    for r in range(4):
+        tuned, resumed = ranks[r]["tuned"], ranks[r]["resumed"]
+        assert resumed["decision"]["source"] == "checkpoint"
+        assert resumed["global_step"] == 4
+        for key in ("hpz_partition_size", "zero_thresholds", "candidate", "links"):
+            assert resumed["decision"][key] == tuned["decision"][key]
+        assert resumed["engine_config"] == tuned["engine_config"]
+
+
+def test_explicit_values_win_over_the_tuner(ranks):
+    for r in range(4):
+        explicit = ranks[r]["explicit"]
+        assert explicit["decision"]["source"] == "probe"  # "retune" measures again
+        assert explicit["engine_config"]["zero_hpz_partition_size"] == 2
+        assert explicit["engine_config"]["stage3_max_live_parameters"] == 0
+        assert {c["hpz_partition_size"] for c in explicit["decision"]["candidates"]} == {2}
