@@ -31,7 +31,13 @@ from typing import Any, Optional
 
 from lightning_hpz.bench import autotune_grid as grid
 from lightning_hpz.bench.command import EXIT_UNAVAILABLE, refuse_where_unavailable, signals_end_the_run
-from lightning_hpz.bench.launch import ConfigurationFailedError, Launch, run_configuration, run_sequence
+from lightning_hpz.bench.launch import (
+    ConfigurationFailedError,
+    Launch,
+    read_records,
+    run_configuration,
+    run_sequence,
+)
 from lightning_hpz.bench.testbed import LinkShape, TestbedUnavailableError, TwoNodeTestbed
 
 PROGRAM = "autotune_testbed"
@@ -54,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json/.md and the runs")
     parser.add_argument(
         "--separate-launches", action="store_true", help="one launch per candidate and round (default: one per round)"
+    )
+    parser.add_argument(
+        "--from-runs",
+        action="store_true",
+        help="only summarize the runs already under --out (same arguments as the run); builds no testbed",
     )
     parser.add_argument("--timeout", type=float, default=900, help="seconds one launch may take")
     parser.add_argument("--port", type=int, default=29710, help="first rendezvous port (inside the testbeds only)")
@@ -86,8 +97,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     command = f"python benchmarks/{PROGRAM}.py " + shlex.join(argv)
-    refuse_where_unavailable(PROGRAM)
     workload = _workload(args.quick)
+    if args.from_runs:
+        return _report(
+            args, command, workload, [load_speed(args, bandwidth, workload) for bandwidth in args.speeds], []
+        )
+    refuse_where_unavailable(PROGRAM)
     ports = itertools.count(args.port)  # a fresh rendezvous port per launch: the last may still be in TIME_WAIT
     speeds: list[dict[str, Any]] = []
     leftovers: list[str] = []
@@ -107,10 +122,40 @@ def main(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 130
+    return _report(args, command, workload, speeds, leftovers)
+
+
+def _report(
+    args: argparse.Namespace, command: str, workload: Any, speeds: list[dict[str, Any]], leftovers: list[str]
+) -> int:
     results = write_results(args, command, workload, speeds, leftovers)
     print(grid.markdown(results))
     print(f"results in {args.out}/results.json and results.md")
     return 0 if results["all_pass"] and not leftovers else 1
+
+
+def load_speed(args: argparse.Namespace, bandwidth: str, workload: Any) -> dict[str, Any]:
+    """One speed's summary from the rank records an earlier run left under ``--out/<speed>``."""
+    base = args.out / bandwidth
+    expected = 2 * args.devices_per_node
+    try:
+        tuned = read_records(base / "tuned", expected, base / "tuned" / "log.txt")
+        decision = grid.recorded_decision(tuned)
+    except (ConfigurationFailedError, grid.DecisionMissingError) as err:
+        return grid.failed_speed(bandwidth, str(err))
+    runs: dict[str, list[list[dict[str, Any]]]] = {}
+    failed: dict[str, str] = {}
+    for index, candidate in enumerate(decision["candidates"]):
+        folder = base / grid.run_folder(index, candidate["name"])
+        rounds = sorted(folder.glob("round*"), key=lambda path: int(path.name[5:]))
+        runs[candidate["name"]] = [
+            read_records(r, expected, r) for r in rounds if len(list(r.glob("rank*.json"))) == expected
+        ]
+        if not runs[candidate["name"]]:
+            failed[candidate["name"]] = f"no complete round under {folder}"
+    return grid.summarize_speed(
+        bandwidth, tuned, runs, failed, 2 * args.devices_per_node * workload.tokens_per_rank_step
+    )
 
 
 def run_speed(args: argparse.Namespace, bandwidth: str, workload: Any, ports: Iterator[int]) -> tuple[dict, list[str]]:

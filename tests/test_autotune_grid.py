@@ -181,6 +181,7 @@ def test_speed_summary_pools_rounds_and_compares_the_pick_with_the_fastest_fitti
     assert rows["zero3-regather"]["rounds"] == 2 and rows["zero3-regather"]["measured_steps"] == 4
     assert speed["fastest"] == "zero3-regather"
     assert speed["pick_over_fastest"] == pytest.approx(1.04)
+    assert speed["pick_over_fastest_by_round"] == []  # the pick ran one round, the fastest two
     assert speed["pick_check"] == "PASS"
     assert speed["tuned_over_fastest"] == pytest.approx(1.1)
     assert speed["probe_over_tc"] == pytest.approx(0.95)
@@ -189,6 +190,12 @@ def test_speed_summary_pools_rounds_and_compares_the_pick_with_the_fastest_fitti
     assert rows["hpz2-keep"]["over_fastest"] == pytest.approx(0.1)
     assert rows["hpz2-regather"]["loss_difference_to_tuned"] == 0.0
     assert grid.all_pass([speed])
+
+
+def test_ratios_by_round_compare_round_medians():
+    slow, fast = [_records([2.0, 3.0, 4.0]), _records([1.0, 1.0, 1.0])], [_records([1.0, 1.5, 9.0]), _records([2.0])]
+    assert grid.ratios_by_round(slow, fast) == [2.0, 0.5]
+    assert grid.ratios_by_round(slow, fast[:1]) == []
 
 
 def test_a_slow_pick_fails_and_so_does_the_run():
@@ -319,6 +326,40 @@ def test_a_round_is_one_launch_of_every_candidate_in_alternating_order(monkeypat
     assert speed["fastest"] == "hpz2-regather" and speed["pick_check"] == "PASS"
     assert not results["all_pass"]
     assert (tmp_path / "results.md").read_text().startswith("Command: `python benchmarks/autotune_testbed.py")
+
+
+def test_results_are_rebuilt_from_the_run_records_without_a_testbed(monkeypatch, tmp_path):
+    script = _script()
+    _fake_launches(monkeypatch, script, tmp_path)
+    _write_fake_records(monkeypatch, script)
+    script.main([*ARGV, "--out", str(tmp_path)])
+    first = json.loads((tmp_path / "results.json").read_text())["speeds"][0]
+    monkeypatch.setattr(testbed.os, "geteuid", lambda: 1000)  # no root needed to summarize
+    script.main([*ARGV, "--from-runs", "--out", str(tmp_path)])
+    again = json.loads((tmp_path / "results.json").read_text())["speeds"][0]
+    del first["wall_s"]
+    assert again["failed"] == {
+        "zero3-regather": f"no complete round under {tmp_path / '200mbit' / '00-zero3-regather'}"
+    }
+    assert {k: v for k, v in again.items() if k != "failed"} == {k: v for k, v in first.items() if k != "failed"}
+
+
+def _write_fake_records(monkeypatch, script):
+    """Make the stand-in launches also leave their records on disk, as the ranks do."""
+    for name in ("run_configuration", "run_sequence"):
+        fake = getattr(script, name)
+
+        def writing(launch, spec, run_dir, fake=fake):
+            found = fake(launch, spec, run_dir)
+            outs = [run_dir] if "runs" not in spec else [Path(entry["out"]) for entry in spec["runs"]]
+            batches = [found] if "runs" not in spec else found[0]
+            for out, records in zip(outs, batches, strict=True):
+                out.mkdir(parents=True, exist_ok=True)
+                for record in records or []:
+                    (out / f"rank{record['rank']}.json").write_text(json.dumps(record))
+            return found
+
+        monkeypatch.setattr(script, name, writing)
 
 
 def test_separate_launches_start_one_launch_per_candidate_and_round(monkeypatch, tmp_path):

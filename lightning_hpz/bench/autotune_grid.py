@@ -10,6 +10,7 @@ Nothing here builds a testbed or starts a process (``benchmarks/autotune_testbed
 from __future__ import annotations
 
 import re
+import statistics
 from typing import Any, Optional
 
 from lightning_hpz.bench import results as res
@@ -177,6 +178,7 @@ def summarize_speed(
         "fastest": fastest,
         "pick_over_fastest": pick_ratio,
         "pick_check": verdict(pick_passes(pick_ratio)),
+        "pick_over_fastest_by_round": ratios_by_round(grid_runs.get(pick), grid_runs.get(fastest) if fastest else None),
         "tuned_median_s": tuned["step_time_median_s"],
         "tuned_over_fastest": tuned["step_time_median_s"] / best if best else None,
         "tuned_cross_node_bytes_per_step": tuned["cross_node_bytes_per_step"],
@@ -185,6 +187,20 @@ def summarize_speed(
         "candidates": rows,
         "failed": dict(failed),
     }
+
+
+def ratios_by_round(
+    numerator: Optional[list[list[dict[str, Any]]]], denominator: Optional[list[list[dict[str, Any]]]]
+) -> list[float]:
+    """Round by round, one median step time over another (how much of a ratio is noise); empty unless both ran every
+    round."""
+    if not numerator or not denominator or len(numerator) != len(denominator):
+        return []
+    return [_round_median(a) / _round_median(b) for a, b in zip(numerator, denominator, strict=True)]
+
+
+def _round_median(records: list[dict[str, Any]]) -> float:
+    return statistics.median(records[0]["step_times"])
 
 
 def _candidate_row(
@@ -285,6 +301,7 @@ def _speed_section(s: dict[str, Any]) -> list[str]:
         f"{probe['inter_node_latency_us']:.0f} us; intra-node {probe['intra_node_gbps']:.3f} Gbit/s, "
         f"{probe['intra_node_latency_us']:.0f} us. Memory budget {_number(s['memory_budget_gib'], '{:.2f}')} GiB.",
         f"Pick: {s['pick']} ({s['reason']})",
+        f"pick/fastest by round: {', '.join(f'{r:.3f}' for r in s['pick_over_fastest_by_round']) or '-'}",
         "",
         "| candidate | hpZ | thresholds (live, reuse, prefetch, persist) | predicted comm s | predicted GiB | fits | "
         "measured median s | IQR s | /fastest | cross-node MB/step | loss diff to tuned |",
