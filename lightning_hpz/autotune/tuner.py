@@ -65,6 +65,8 @@ class Autotuner:
     # --------------------------------------------------------------------------------------------- start-up
     def start(self, layout: ClusterLayout, resumed_from: Optional[Union[str, Path]]) -> None:
         """Re-use a recorded decision or probe the links (a collective: every rank calls it)."""
+        if self.decision is not None:  # a later validate/test/predict (or fit) with the same strategy: keep it
+            return
         recorded = self._recorded_decision(resumed_from, layout) if self.mode is True else None
         if recorded is not None:
             self.decision = recorded

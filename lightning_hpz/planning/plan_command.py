@@ -107,6 +107,15 @@ def parse_plan_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--optimizer-bytes", type=int, default=12, help="optimizer bytes per parameter (Adam: 12)")
     parser.add_argument("--no-regather", action="store_true", help="ZeRO-3 keeps parameters gathered for backward")
     parser.add_argument("--gradient-reduction", choices=GRADIENT_REDUCTIONS, default="reduce_scatter")
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure the links between the processes of this launch (start it under torchrun, one process per "
+        "device on every node) and print the autotuner's candidates and choice; --nodes, --devices-per-node and "
+        "the link speeds then come from the launch and the measurement",
+    )
+    parser.add_argument("--memory-gib", type=float, help="--probe: memory budget per rank (default: the device's)")
+    parser.add_argument("--cpu", action="store_true", help="--probe: measure over gloo even where CUDA exists")
     args = parser.parse_args(list(argv))
     for name in ("nodes", "devices_per_node", "inter_node_gbps", "intra_node_gbps", "param_bytes"):
         if getattr(args, name) <= 0:
@@ -120,6 +129,11 @@ def plan_main(argv: Sequence[str] = ()) -> None:
     """Print the plan table for ``argv`` (see ``lightning-hpz plan --help``)."""
     args = parse_plan_args(argv)
     param_count = int(args.params) if args.params is not None else preset_parameter_count(args.preset)
+    if args.probe:
+        from lightning_hpz.autotune.probe_command import probe_main
+
+        probe_main(args, param_count)
+        return
     what = f"{args.preset} " if args.preset else ""
     print(
         f"{what}{param_count / 1e9:.2f}B parameters on {args.nodes} node(s) x {args.devices_per_node} devices, "

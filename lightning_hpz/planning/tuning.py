@@ -279,7 +279,7 @@ def candidates(
             memory = predicted_memory_bytes(hpz, thresholds, facts, layout, training)
             found.append(
                 Candidate(
-                    name=f"hpz{hpz}-{profile}" if not fixed.thresholds else f"hpz{hpz}-{profile}+given",
+                    name=f"hpz{hpz}-{profile}" if not fixed.thresholds else f"hpz{hpz}-{profile}+fixed",
                     hpz_partition_size=hpz,
                     zero_thresholds=thresholds,
                     predicted_comm_s=predicted_comm_seconds(hpz, thresholds, facts, layout, links, training),
