@@ -233,6 +233,7 @@ def test_markdown_shows_checks_pick_fastest_and_failures():
     assert "| hpz2-regather (pick) | 2 | 0, 0, 0, 0 |" in text
     assert "| zero3-regather (fastest) |" in text
     assert "| hpz2-keep | 2 | 1e9, 1e9, 5e7, 100000 |" in text
+    assert grid._count(1_850_368) == "1850368"
     assert "tuned launch failed: torchrun exited with [1, 1]" in text
     assert "Overall: FAIL" in text and "- a note" in text
 

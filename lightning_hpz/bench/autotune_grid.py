@@ -332,8 +332,9 @@ def _candidate_line(row: dict[str, Any], pick: str, fastest: Optional[str]) -> s
 
 
 def _count(value: int) -> str:
-    """Element counts as people write them: 0, 50000, 5e7, 1e9."""
-    return f"{value:g}".replace("e+0", "e").replace("e+", "e")
+    """Element counts as people write them where that is exact (0, 50000, 5e7, 1e9), else in full (1850368)."""
+    short = f"{value:g}".replace("e+0", "e").replace("e+", "e")
+    return short if float(short) == value else str(value)
 
 
 def _number(value: Optional[float], form: str = "{:.3f}", scale: float = 1.0) -> str:
