@@ -146,3 +146,18 @@ def test_a_recorded_decision_is_read_from_a_checkpoint_manifest(tmp_path):
     (checkpoint / "hpz_manifest.json").write_text(json.dumps(manifest))
     assert read_recorded_decision(checkpoint) == decision.to_dict()
     assert read_recorded_decision(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stage": 2, "autotune": True}, r"needs stage=3 \(stage=2\)"),
+        ({"autotune": "yes"}, r"autotune='yes': choose True, False or 'retune'"),
+        ({"autotune": True, "autotune_memory_gib": 0}, r"autotune_memory_gib=0: give a positive"),
+    ],
+)
+def test_bad_autotune_settings_are_refused_when_the_strategy_is_built(kwargs, message):
+    from lightning_hpz import HpzConfigurationError, HpzStrategy
+
+    with pytest.raises(HpzConfigurationError, match=message):
+        HpzStrategy(**kwargs)

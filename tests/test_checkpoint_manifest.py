@@ -14,7 +14,7 @@ from lightning_hpz.checkpointing import (
     last_good_checkpoint,
     read_manifest,
 )
-from lightning_hpz.checkpointing.commit import committed_save
+from lightning_hpz.checkpointing.commit import committed_save, staging_path
 from lightning_hpz.checkpointing.compatibility import mismatches
 from lightning_hpz.checkpointing.inspect_command import checkpoint_main
 from lightning_hpz.checkpointing.manifest import file_digest, verify_files
@@ -49,7 +49,8 @@ def test_commit_moves_a_complete_checkpoint_into_place_with_its_manifest(tmp_pat
         SHARD,
     ]
     assert recorded["files"][SHARD] == file_digest(path / SHARD)
-    assert not (tmp_path / "step=4.ckpt.partial").exists()
+    assert not staging_path(tmp_path / "step=4.ckpt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=4.ckpt"]  # no staging folder left behind
 
 
 def test_crash_during_save_leaves_the_previous_checkpoint_in_place(tmp_path):
@@ -60,6 +61,18 @@ def test_crash_during_save_leaves_the_previous_checkpoint_in_place(tmp_path):
     assert read_manifest(path)["run"]["global_step"] == 2
     assert torch.load(path / SHARD)["w"][0].item() == 1.0
     assert not verify_files(path, read_manifest(path), list(read_manifest(path)["files"]))
+
+
+def test_a_crash_while_saving_does_not_move_lightnings_hpc_resume_point(tmp_path):
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    newest_hpc_version = _CheckpointConnector._CheckpointConnector__max_ckpt_version_in_folder  # what "hpc" resumes
+    _commit(tmp_path / "hpc_ckpt_1.ckpt", 1.0, step=2)
+    with pytest.raises(RuntimeError, match="killed"), committed_save(tmp_path / "hpc_ckpt_2.ckpt", RUN) as staging:
+        _write_shards(staging, 2.0)
+        raise RuntimeError("killed while writing")
+    assert staging.exists()  # what the killed save left behind
+    assert newest_hpc_version(tmp_path, "hpc_ckpt_") == 1
 
 
 def test_overwrite_replaces_the_checkpoint_only_when_complete(tmp_path):
@@ -90,7 +103,7 @@ def test_last_good_checkpoint_is_the_newest_intact_sibling(tmp_path):
     _commit(tmp_path / "step=2.ckpt", 1.0, step=2)
     _commit(tmp_path / "step=4.ckpt", 1.0, step=4)
     damaged = _commit(tmp_path / "step=6.ckpt", 1.0, step=6)
-    (tmp_path / "step=8.ckpt.partial").mkdir()
+    staging_path(tmp_path / "step=8.ckpt").mkdir(parents=True)
     os.truncate(damaged / SHARD, 5)
     assert last_good_checkpoint(damaged) == (tmp_path / "step=4.ckpt").resolve()
     assert last_good_checkpoint(tmp_path / "step=4.ckpt") == (tmp_path / "step=2.ckpt").resolve()

@@ -2,7 +2,8 @@
 
 Inside a node, each node's ranks all-gather among themselves; between nodes, the ranks of equal local rank do, all at
 once, so together they load a node's network link as ZeRO's world-wide gathers do. Each measurement doubles the
-message until one gather takes ``TARGET_SECONDS`` (or reaches ``MAX_BYTES``), then repeats it and keeps the median.
+message until one gather takes ``TARGET_SECONDS`` (or reaches ``MAX_BYTES``), then repeats it and keeps the fastest:
+other work on the machine (or a descheduled rank) can only slow a transfer down, never speed it up.
 Every timing is the slowest rank's (an all-reduce of the maximum), so every rank takes the same decisions from the same
 numbers: the doubling stops at the same step everywhere and the planner gets identical figures.
 """
@@ -60,7 +61,7 @@ def _measure(group: Any, group_size: int) -> tuple[float, float]:
     while seconds < TARGET_SECONDS and size < MAX_BYTES:
         size *= 2
         seconds = _agreed_seconds(group, size)
-    seconds = statistics.median([seconds, *(_agreed_seconds(group, size) for _ in range(REPEATS - 1))])
+    seconds = min([seconds, *(_agreed_seconds(group, size) for _ in range(REPEATS - 1))])
     return latency, (group_size - 1) * size / seconds
 
 
