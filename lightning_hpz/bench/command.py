@@ -90,7 +90,7 @@ def bench_main(argv: Sequence[str] = ()) -> None:
     if args.from_runs:
         results = summarize_existing_runs(args, command)
     else:
-        _refuse_where_unavailable()
+        refuse_where_unavailable()
         try:
             results = run_benchmark(args, command)
         except TestbedUnavailableError as err:
@@ -102,14 +102,14 @@ def bench_main(argv: Sequence[str] = ()) -> None:
         raise SystemExit(1)
 
 
-def _refuse_where_unavailable() -> None:
+def refuse_where_unavailable(program: str = "lightning-hpz bench") -> None:
     """Stop before creating anything where the testbed cannot be built; clear away testbeds of killed runs."""
     reason = unavailable_reason()
     if reason:
-        print(f"lightning-hpz bench: cannot build the two-node testbed: {reason}.", file=sys.stderr)
+        print(f"{program}: cannot build the two-node testbed: {reason}.", file=sys.stderr)
         raise SystemExit(EXIT_UNAVAILABLE)
     for name in sweep_abandoned():
-        print(f"lightning-hpz bench: removed {name}, left by a benchmark that was killed", file=sys.stderr)
+        print(f"{program}: removed {name}, left by a benchmark that was killed", file=sys.stderr)
 
 
 def summarize_existing_runs(args: argparse.Namespace, command: str) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict[str, Any]:
     workload = _workload(args.quick)
     runs: dict[str, list[list[dict[str, Any]]]] = {c.name: [] for c in args.selected}
     failed: dict[str, str] = {}
-    with _signals_end_the_run(), TwoNodeTestbed(args.shape) as testbed:
+    with signals_end_the_run(), TwoNodeTestbed(args.shape) as testbed:
         for round_index, order in enumerate(_round_orders(args.selected, args.rounds)):
             for configuration in order:
                 if configuration.name in failed:
@@ -260,7 +260,7 @@ class BenchmarkInterrupted(KeyboardInterrupt):
 
 
 @contextmanager
-def _signals_end_the_run() -> Iterator[None]:
+def signals_end_the_run() -> Iterator[None]:
     def interrupt(signum: int, frame: Any) -> None:
         raise BenchmarkInterrupted(f"signal {signal.Signals(signum).name}")
 

@@ -1,4 +1,4 @@
-"""Start one benchmark configuration on the testbed: a torchrun agent per node, ranks bound to the veth pair."""
+"""Start benchmark configurations on the testbed: a torchrun agent per node, ranks bound to the veth pair."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning_hpz.bench.testbed import TwoNodeTestbed
 
@@ -64,9 +64,40 @@ def node_environment(testbed: TwoNodeTestbed, node: int) -> dict[str, str]:
 
 def run_configuration(launch: Launch, spec: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
     """Train one configuration on both nodes; return every rank's record, ordered by rank."""
+    _clear_records(run_dir)
+    run_ranks(launch, spec, run_dir)
+    return read_records(run_dir, 2 * launch.devices_per_node, run_dir / "log.txt")
+
+
+def run_sequence(
+    launch: Launch, spec: dict[str, Any], run_dir: Path
+) -> tuple[list[Optional[list[dict[str, Any]]]], Optional[str]]:
+    """Train the configurations of ``spec["runs"]`` one after the other in the same processes (one launch).
+
+    Each entry of ``spec["runs"]`` names its own ``"out"`` folder. Returns each entry's records (``None`` where the
+    ranks wrote none: the entry failed or was not reached) and the launch's error, if it failed; what finished before
+    a failure is kept.
+    """
+    outs = [Path(entry["out"]) for entry in spec["runs"]]
+    for out in outs:
+        _clear_records(out)
+    error = None
+    try:
+        run_ranks(launch, spec, run_dir)
+    except ConfigurationFailedError as err:
+        error = str(err)
+    records: list[Optional[list[dict[str, Any]]]] = []
+    for out in outs:
+        try:
+            records.append(read_records(out, 2 * launch.devices_per_node, run_dir / "log.txt"))
+        except ConfigurationFailedError:
+            records.append(None)
+    return records, error
+
+
+def run_ranks(launch: Launch, spec: dict[str, Any], run_dir: Path) -> None:
+    """Start a torchrun agent per node on ``spec`` (written to ``run_dir/spec.json``) and wait for both to end."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in run_dir.glob("rank*.json"):
-        stale.unlink()
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps({**spec, "out": str(run_dir)}, indent=1))
     log_path = run_dir / "log.txt"
@@ -86,11 +117,20 @@ def run_configuration(launch: Launch, spec: dict[str, Any], run_dir: Path) -> li
         finally:
             for agent in agents:
                 _end_group(agent)
-    records = [json.loads(p.read_text()) for p in run_dir.glob("rank*.json")]
-    expected = 2 * launch.devices_per_node
+
+
+def read_records(out: Path, expected: int, log_path: Path) -> list[dict[str, Any]]:
+    """Every rank's record in ``out``, ordered by rank; refuses a folder where a rank wrote none."""
+    records = [json.loads(p.read_text()) for p in out.glob("rank*.json")]
     if len(records) != expected:
         raise ConfigurationFailedError(f"{len(records)} of {expected} ranks wrote results; see {log_path}.")
     return sorted(records, key=lambda record: record["rank"])
+
+
+def _clear_records(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("rank*.json"):
+        stale.unlink()
 
 
 def _wait(agents: list[subprocess.Popen], timeout_s: float, log_path: Path) -> None:

@@ -21,6 +21,11 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: torchrun ... -m lightning_hpz.bench.worker SPEC.json")
     spec: dict[str, Any] = json.loads(Path(argv[0]).read_text())
     configuration = CONFIGURATIONS[spec["configuration"]]
+    if ("strategy_kwargs" in spec or "runs" in spec) and configuration.driver != "lightning":
+        raise SystemExit(
+            f"spec {argv[0]}: strategy_kwargs and runs apply to HpzStrategy only, but configuration "
+            f"{configuration.name!r} is driven by {configuration.driver!r}; name a 'lightning' configuration."
+        )
     workload = Workload(**spec["workload"])
     warnings.filterwarnings("ignore", category=FutureWarning)
     if configuration.driver == "lightning":
