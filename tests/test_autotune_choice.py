@@ -100,10 +100,11 @@ def test_nothing_fits_names_the_smallest_need_and_the_fixes():
         decide(links(inter_gbps=0.05), budget=10 * MB)
 
 
-def test_retained_fraction_follows_live_and_reuse_thresholds():
+def test_retained_fraction_follows_the_reuse_distance_only():
     assert retained_fraction({LIVE: 0, REUSE: 0}, 1000) == 0.0
-    assert retained_fraction({LIVE: 500, REUSE: 1000}, 1000) == 0.5
-    assert retained_fraction({LIVE: 10**9, REUSE: 400}, 1000) == 0.2  # the reuse distance binds first
+    assert retained_fraction({LIVE: 0, REUSE: 1000}, 1000) == 0.5  # live parameters only cap prefetching
+    assert retained_fraction({LIVE: 10**9, REUSE: 400}, 1000) == 0.2
+    assert retained_fraction({LIVE: 10**9, REUSE: 10**9}, 1000) == 1.0
     keep = profile_thresholds("keep", FACTS, 0)
     assert retained_fraction(keep, FACTS.parameter_count) == 1.0
 

@@ -7,10 +7,12 @@ figures apply the same configuration. The model behind the predictions:
   forward all-gather over the world, the backward all-gather over the hpZ group (the world without hpZ) of the part of
   the model that was released after forward, and the gradient reduction over the world. Bytes cost the measured
   bandwidth (a node's cross-node bytes share its link); each all-gather of a module costs the measured latency.
-* How much of the model stays gathered from forward to backward follows from the thresholds: DeepSpeed keeps a
-  parameter when fewer than ``stage3_max_live_parameters`` elements are live and its next use is within
-  ``stage3_max_reuse_distance`` elements. In backward the parameters used last in forward come first, at a reuse
-  distance of about twice the elements between, so the retained fraction is about ``min(live, reuse / 2) / params``.
+* How much of the model stays gathered from forward to backward follows from ``stage3_max_reuse_distance``:
+  DeepSpeed releases a module's parameters after it ran unless they are used again within that many parameter
+  elements of the recorded module order (``PartitionedParameterCoordinator.__params_to_release``). In backward the
+  parameters used last in forward come first, at a reuse distance of about twice the elements after them, so the
+  retained fraction is about ``reuse / (2 * params)``. ``stage3_max_live_parameters`` only caps what is gathered
+  ahead of use (prefetching), so each profile sets it to what it retains plus the prefetch bucket.
 * Memory per rank: the ZeRO-3 model states of :mod:`lightning_hpz.planning.memory`, plus the retained gathered
   parameters, hpZ's secondary shards of the released part, full copies of persistent parameters, and one module plus
   the prefetch bucket in flight. A candidate fits when that is at most ``1 - MEMORY_HEADROOM`` of the budget; the
@@ -144,8 +146,7 @@ def retained_fraction(thresholds: dict[str, int], parameter_count: int) -> float
     """Share of the model DeepSpeed keeps gathered from forward to backward under these thresholds."""
     if parameter_count <= 0:
         return 1.0
-    kept = min(thresholds[LIVE], thresholds[REUSE] / 2)
-    return max(0.0, min(1.0, kept / parameter_count))
+    return max(0.0, min(1.0, thresholds[REUSE] / (2 * parameter_count)))
 
 
 def persistence_threshold(facts: ModelFacts) -> int:
@@ -165,12 +166,12 @@ def profile_thresholds(profile: str, facts: ModelFacts, persistence: int) -> dic
     """The four thresholds of a retention profile, sized to the model."""
     params = facts.parameter_count
     retained = RETENTION_PROFILES[profile]
+    # Prefetch the next two modules' parameters at most: overlap without holding much more than one module.
+    prefetch = min(DEEPSPEED_DEFAULTS[PREFETCH], 2 * facts.largest_module())
     if retained >= 1.0:  # never release: above the model size whatever DeepSpeed's defaults are
         live, reuse = max(DEEPSPEED_DEFAULTS[LIVE], params), max(DEEPSPEED_DEFAULTS[REUSE], 2 * params)
     else:
-        live, reuse = int(retained * params), int(2 * retained * params)
-    # Prefetch the next two modules' parameters at most: overlap without holding much more than one module.
-    prefetch = min(DEEPSPEED_DEFAULTS[PREFETCH], 2 * facts.largest_module())
+        live, reuse = int(retained * params) + prefetch, int(2 * retained * params)
     return {LIVE: live, REUSE: reuse, PREFETCH: prefetch, PERSISTENCE: persistence}
 
 
