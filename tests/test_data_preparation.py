@@ -8,6 +8,7 @@ import pytest
 
 from lightning_hpz.cli import main as cli_main
 from lightning_hpz.data import ByteTokenizer, PreparedShards, preparation, prepare_corpus, read_corpus
+from lightning_hpz.data.preparation_lock import LOCK_FILE
 from lightning_hpz.data.prepared_shards import MANIFEST, is_prepared
 
 WORDS = ["river", "stone", "light", "naïve", "café", "über", "fox", "✓", "the", "of"]
@@ -83,7 +84,7 @@ def test_an_interrupted_preparation_leaves_nothing_that_reads_as_prepared(corpus
     monkeypatch.setattr(preparation, "encoded_batches", killed_midway)
     with pytest.raises(KeyboardInterrupt):
         prepare_corpus(corpus / "a.jsonl", "byte", tmp_path, shard_tokens=100, show_progress=False)
-    assert not is_prepared(tmp_path) and [p.name for p in tmp_path.iterdir()] == ["notes.tmp"]
+    assert not is_prepared(tmp_path) and sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE, "notes.tmp"]
 
 
 def test_command_line_tool(corpus, tmp_path, capsys):
