@@ -1,6 +1,8 @@
 """prepare-data: the shards hold exactly the stream the in-memory path made, in parallel or not, once, atomically."""
 
+import contextlib
 import json
+import os
 import random
 
 import numpy as np
@@ -102,3 +104,21 @@ def test_command_line_refuses_an_empty_source_naming_it(tmp_path):
     with pytest.raises(SystemExit, match=r"prepare-data: The corpus .*empty.jsonl' holds no text"):
         cli_main(["prepare-data", "--source", str(tmp_path / "empty.jsonl"), "--tokenizer", "byte", "--out", "x"])
     assert not (tmp_path / "x").exists()
+
+
+def test_workers_fork_single_threaded_and_the_caller_keeps_its_tokenizers_setting(corpus, tmp_path, monkeypatch):
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    seen = []
+    real = preparation._single_threaded_tokenizers
+
+    def recording():
+        with real():
+            seen.append(os.environ.get("TOKENIZERS_PARALLELISM"))  # what the forked workers inherit
+            yield
+
+    monkeypatch.setattr(preparation, "_single_threaded_tokenizers", contextlib.contextmanager(recording))
+    prepare_corpus(corpus / "a.txt", "byte", tmp_path / "a", num_workers=2, show_progress=False)
+    assert seen == ["false"] and "TOKENIZERS_PARALLELISM" not in os.environ
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # the user's choice wins, in the workers too
+    prepare_corpus(corpus / "a.txt", "byte", tmp_path / "b", num_workers=2, show_progress=False)
+    assert seen == ["false", "true"] and os.environ["TOKENIZERS_PARALLELISM"] == "true"
