@@ -102,8 +102,18 @@ def test_command_line_tool(corpus, tmp_path, capsys):
 def test_command_line_refuses_an_empty_source_naming_it(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(SystemExit, match=r"prepare-data: The corpus .*empty.jsonl' holds no text"):
-        cli_main(["prepare-data", "--source", str(tmp_path / "empty.jsonl"), "--tokenizer", "byte", "--out", "x"])
-    assert not (tmp_path / "x").exists()
+        cli_main(
+            [
+                "prepare-data",
+                "--source",
+                str(tmp_path / "empty.jsonl"),
+                "--tokenizer",
+                "byte",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+    assert not (tmp_path / "x").exists()  # nothing created for a source with nothing to prepare
 
 
 def test_workers_fork_single_threaded_and_the_caller_keeps_its_tokenizers_setting(corpus, tmp_path, monkeypatch):

@@ -80,7 +80,9 @@ def prepare_corpus(
     fingerprint = source_fingerprint(source) if is_default(source) or Path(source).exists() else []
     if _already_prepared(out, loaded.name, text_field, errors, fingerprint):  # no lock: a read-only DIR works
         return read_manifest(out)
-    iter_documents(source, text_field, errors)  # a missing source or bad option is refused before anything is removed
+    # A missing or empty source, or a bad option, is refused before anything is created or removed.
+    if next(iter_documents(source, text_field, errors), None) is None:
+        raise _no_text(source)
     with exclusive_preparation(out, announce_wait=show_progress):
         if _already_prepared(out, loaded.name, text_field, errors, fingerprint):  # done by the process we waited for
             return read_manifest(out)
@@ -113,15 +115,19 @@ def _prepare(
             writer.abandon()
             clear_preparation(out)  # nothing half-done stays behind: the next run starts from a clean directory
             raise
-    if documents == 0:
+    if documents == 0:  # emptied since the check above
         clear_preparation(out)
-        raise CorpusError(f"The corpus {str(source)!r} holds no text. Point --source at a file with text in it.")
+        raise _no_text(source)
     manifest = Manifest(
         loaded.name, loaded.vocab_size, loaded.eos_id, writer.dtype.name, tokens, documents, max_id, str(source),
         text_field, errors, fingerprint,
     )  # fmt: skip
     writer.finish(manifest)
     return manifest
+
+
+def _no_text(source: str | Path) -> CorpusError:
+    return CorpusError(f"The corpus {str(source)!r} holds no text. Point --source at a file with text in it.")
 
 
 def _write_shards(
