@@ -8,7 +8,8 @@ Steps (each prints its numbers; all are written to ``OUT/results.json``):
    (sampled PSS), at the full size and at a quarter of it (flat memory: the peak does not grow with the corpus); with
    the byte tokenizer at ``--size-mb``, and with a BPE tokenizer trained here at ``--bpe-mb`` (far slower);
 3. train: 4 CPU ranks on the big and the small shards, each rank's peak RSS and time from ``fit()`` to first batch;
-4. resume: on the big shards, the time to the first batch after resuming at the start, middle and end of an epoch,
+4. resume: on the big shards, the time to the first batch after resuming at the start, a quarter, the middle and the
+   end of an epoch,
    against an ordinary DataLoader that skips the consumed batches by iterating over them;
 5. quickstart: the prepared stream of the default corpus against the old in-memory path (read all, encode one
    document at a time, ``torch.tensor``), and the validation batches of both.
@@ -163,7 +164,9 @@ def resume_costs(prepared: Path, skip_batches_iterated: int) -> dict:
     next(iter(loader))
     first_batch = time.perf_counter() - started
     result = {"batches_per_epoch": len(loader), "setup_to_first_batch_seconds": round(first_batch, 4)}
-    for name, position in [("start", 0), ("middle", len(loader) // 2), ("end", len(loader) - 1)]:
+    batches = len(loader)
+    positions = [("start", 0), ("quarter", batches // 4), ("middle", batches // 2), ("end", batches - 1)]
+    for name, position in positions:
         started = time.perf_counter()
         loader.load_state_dict({"epoch": 0, "batches_consumed": position})
         next(iter(loader))
@@ -277,7 +280,26 @@ def _measure(args: argparse.Namespace, work: Path) -> dict:
         results["resume"] = resume_costs(prepared_big, skip_batches_iterated=2000)
     if "quickstart" not in args.skip:
         results["quickstart"] = quickstart_identity(work / "quickstart_cache")
+    results["summary"] = summary(results)
+    print("summary", json.dumps(results["summary"], indent=1), flush=True)
     return results
+
+
+def summary(results: dict) -> dict:
+    """The numbers issue 12 asks for, side by side: rates by worker count, memory growth, per-rank memory ratio."""
+    found: dict = {}
+    for run in results.get("prepare", []):
+        key = f"{run['tokenizer']}_{run['mb']:.0f}mb_{run['workers']}_workers"
+        found[f"prepare_mb_per_s_{key}"] = run["mb_per_s"]
+        found[f"prepare_peak_mb_{key}"] = {"tree_pss": run["peak_tree_pss_mb"], "main_rss": run["main_rss_mb"]}
+    if "train" in results:
+        big, small = results["train"]
+        found["train_peak_rss_mb_per_rank"] = {"big": big["peak_rss_mb"], "small": small["peak_rss_mb"]}
+        found["train_peak_rss_big_over_small"] = round(max(big["peak_rss_mb"]) / max(small["peak_rss_mb"]), 3)
+        found["fit_to_first_batch_seconds_big"] = max(big["fit_to_first_batch_seconds"])
+    if "resume" in results:
+        found |= {k: v for k, v in results["resume"].items() if k.startswith(("resume_at", "setup_to_first"))}
+    return found
 
 
 if __name__ == "__main__":

@@ -52,6 +52,22 @@ def test_hugging_face_tokenizer_from_a_local_directory(tmp_path):
         tokenizer.sentinel_ids(2)
 
 
+def test_batched_encoding_ignores_padding_and_truncation_saved_with_the_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel()
+    raw.train_from_iterator(["the river and the stone"] * 20, trainers.BpeTrainer(special_tokens=["<unk>", "</s>"]))
+    raw.enable_truncation(max_length=2)  # a tokenizer.json written for inference; preparation must keep every id
+    raw.enable_padding(length=16, pad_id=0)
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="</s>").save_pretrained(tmp_path)
+    tokenizer = load_tokenizer(str(tmp_path))
+    documents = ["the river", "", "stone and the river and the stone, naïve ✓"]
+    one_by_one = [i for doc in documents for i in [*tokenizer.encode(doc), tokenizer.eos_id]]
+    assert len(one_by_one) > 16 and tokenizer.encode_documents(documents).tolist() == one_by_one
+
+
 def test_tokenizer_path_that_is_not_a_directory(tmp_path):
     with pytest.raises(TokenizerNotFoundError, match="'byte' for the built-in byte tokenizer"):
         load_tokenizer(str(tmp_path / "missing"))

@@ -1,6 +1,8 @@
 """prepare-data: the shards hold exactly the stream the in-memory path made, in parallel or not, once, atomically."""
 
+import contextlib
 import json
+import os
 import random
 
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 
 from lightning_hpz.cli import main as cli_main
 from lightning_hpz.data import ByteTokenizer, PreparedShards, preparation, prepare_corpus, read_corpus
+from lightning_hpz.data.preparation_lock import LOCK_FILE
 from lightning_hpz.data.prepared_shards import MANIFEST, is_prepared
 
 WORDS = ["river", "stone", "light", "naïve", "café", "über", "fox", "✓", "the", "of"]
@@ -83,7 +86,7 @@ def test_an_interrupted_preparation_leaves_nothing_that_reads_as_prepared(corpus
     monkeypatch.setattr(preparation, "encoded_batches", killed_midway)
     with pytest.raises(KeyboardInterrupt):
         prepare_corpus(corpus / "a.jsonl", "byte", tmp_path, shard_tokens=100, show_progress=False)
-    assert not is_prepared(tmp_path) and [p.name for p in tmp_path.iterdir()] == ["notes.tmp"]
+    assert not is_prepared(tmp_path) and sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE, "notes.tmp"]
 
 
 def test_command_line_tool(corpus, tmp_path, capsys):
@@ -99,5 +102,33 @@ def test_command_line_tool(corpus, tmp_path, capsys):
 def test_command_line_refuses_an_empty_source_naming_it(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(SystemExit, match=r"prepare-data: The corpus .*empty.jsonl' holds no text"):
-        cli_main(["prepare-data", "--source", str(tmp_path / "empty.jsonl"), "--tokenizer", "byte", "--out", "x"])
-    assert not (tmp_path / "x").exists()
+        cli_main(
+            [
+                "prepare-data",
+                "--source",
+                str(tmp_path / "empty.jsonl"),
+                "--tokenizer",
+                "byte",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+    assert not (tmp_path / "x").exists()  # nothing created for a source with nothing to prepare
+
+
+def test_workers_fork_single_threaded_and_the_caller_keeps_its_tokenizers_setting(corpus, tmp_path, monkeypatch):
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    seen = []
+    real = preparation._single_threaded_tokenizers
+
+    def recording():
+        with real():
+            seen.append(os.environ.get("TOKENIZERS_PARALLELISM"))  # what the forked workers inherit
+            yield
+
+    monkeypatch.setattr(preparation, "_single_threaded_tokenizers", contextlib.contextmanager(recording))
+    prepare_corpus(corpus / "a.txt", "byte", tmp_path / "a", num_workers=2, show_progress=False)
+    assert seen == ["false"] and "TOKENIZERS_PARALLELISM" not in os.environ
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # the user's choice wins, in the workers too
+    prepare_corpus(corpus / "a.txt", "byte", tmp_path / "b", num_workers=2, show_progress=False)
+    assert seen == ["false", "true"] and os.environ["TOKENIZERS_PARALLELISM"] == "true"

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from lightning_hpz.data.corpus import CorpusError, is_default, iter_documents, stdlib_source_files
+from lightning_hpz.data.preparation_lock import exclusive_preparation
 from lightning_hpz.data.prepared_shards import (
     Manifest,
     PreparedDataError,
@@ -76,30 +78,56 @@ def prepare_corpus(
     loaded = load_tokenizer(tokenizer)
     out = Path(out)
     fingerprint = source_fingerprint(source) if is_default(source) or Path(source).exists() else []
-    if _already_prepared(out, loaded.name, text_field, errors, fingerprint):
+    if _already_prepared(out, loaded.name, text_field, errors, fingerprint):  # no lock: a read-only DIR works
         return read_manifest(out)
-    iter_documents(source, text_field, errors)  # a missing source or bad option is refused before anything is removed
-    out.mkdir(parents=True, exist_ok=True)
+    # A missing or empty source, or a bad option, is refused before anything is created or removed.
+    if next(iter_documents(source, text_field, errors), None) is None:
+        raise _no_text(source)
+    with exclusive_preparation(out, announce_wait=show_progress):
+        if _already_prepared(out, loaded.name, text_field, errors, fingerprint):  # done by the process we waited for
+            return read_manifest(out)
+        return _prepare(
+            source, tokenizer, loaded, out, fingerprint, num_workers, text_field, errors, shard_tokens, show_progress
+        )
+
+
+def _prepare(
+    source: str | Path,
+    spec: str,
+    loaded: Tokenizer,
+    out: Path,
+    fingerprint: list,
+    num_workers: int,
+    text_field: str,
+    errors: str,
+    shard_tokens: int,
+    show_progress: bool,
+) -> Manifest:
+    """Tokenize ``source`` into ``out`` from scratch; the caller holds the directory's preparation lock."""
     clear_preparation(out)
     writer = ShardWriter(out, shard_dtype(loaded.vocab_size), shard_tokens)
     total_bytes = 0 if is_default(source) else sum(size for _, size, _ in fingerprint)  # 0: no total, no ETA
     with _progress_bar(total_bytes, show_progress, out) as bar:
         stream = iter_documents(source, text_field, errors, progress=bar.update)
         try:
-            tokens, documents, max_id = _write_shards(stream, tokenizer, loaded, writer, num_workers)
+            tokens, documents, max_id = _write_shards(stream, spec, loaded, writer, num_workers)
         except BaseException:
             writer.abandon()
             clear_preparation(out)  # nothing half-done stays behind: the next run starts from a clean directory
             raise
-    if documents == 0:
+    if documents == 0:  # emptied since the check above
         clear_preparation(out)
-        raise CorpusError(f"The corpus {str(source)!r} holds no text. Point --source at a file with text in it.")
+        raise _no_text(source)
     manifest = Manifest(
         loaded.name, loaded.vocab_size, loaded.eos_id, writer.dtype.name, tokens, documents, max_id, str(source),
         text_field, errors, fingerprint,
     )  # fmt: skip
     writer.finish(manifest)
     return manifest
+
+
+def _no_text(source: str | Path) -> CorpusError:
+    return CorpusError(f"The corpus {str(source)!r} holds no text. Point --source at a file with text in it.")
 
 
 def _write_shards(
@@ -156,11 +184,10 @@ def encoded_batches(
     if num_workers == 1:
         yield from (encode_batch(tokenizer, batch, dtype) for batch in batches)
         return
-    # fork: the workers inherit the imported modules (no re-import of torch per worker). One core per worker: the
-    # Rust tokenizer's own thread pool would compete with the other workers.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    context = multiprocessing.get_context("fork")
-    with context.Pool(num_workers, initializer=_start_worker, initargs=(spec, dtype)) as pool:
+    # fork: the workers inherit the imported modules (no re-import of torch per worker).
+    with _single_threaded_tokenizers():
+        pool = multiprocessing.get_context("fork").Pool(num_workers, _start_worker, (spec, dtype))
+    with pool:
         pending: deque = deque()
         for batch in batches:
             pending.append(pool.apply_async(_encode_in_worker, (batch,)))
@@ -168,6 +195,23 @@ def encoded_batches(
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+
+
+@contextmanager
+def _single_threaded_tokenizers() -> Iterator[None]:
+    """Fork workers with ``TOKENIZERS_PARALLELISM=false`` unless the user set it; this process keeps its setting.
+
+    One core per worker: a Hugging Face tokenizer's own thread pool in each worker would compete with the others (in
+    this process, with one worker, it spreads one batch over the cores). Set before the fork, it also keeps
+    ``tokenizers`` from warning that a pool it had used here was disabled in the children.
+    """
+    chosen = "TOKENIZERS_PARALLELISM" in os.environ
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        yield
+    finally:
+        if not chosen:
+            del os.environ["TOKENIZERS_PARALLELISM"]
 
 
 def encode_batch(tokenizer: Tokenizer, documents: list[str], dtype: np.dtype) -> EncodedBatch:

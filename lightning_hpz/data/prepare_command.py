@@ -36,6 +36,7 @@ def prepare_data_main(argv: Sequence[str] = ()) -> None:
     args = build_parser().parse_args(list(argv))
     from lightning_hpz.data.corpus import CorpusError
     from lightning_hpz.data.preparation import prepare_corpus
+    from lightning_hpz.data.preparation_lock import PreparationLockError
     from lightning_hpz.data.prepared_shards import PreparedDataError
     from lightning_hpz.data.shard_writer import DEFAULT_SHARD_TOKENS
     from lightning_hpz.data.tokenizers import TokenizerNotFoundError
@@ -48,7 +49,7 @@ def prepare_data_main(argv: Sequence[str] = ()) -> None:
             args.source, args.tokenizer, args.out, args.num_workers, args.text_field, args.errors,
             args.shard_tokens or DEFAULT_SHARD_TOKENS, show_progress=not args.quiet,
         )  # fmt: skip
-    except (CorpusError, PreparedDataError, TokenizerNotFoundError, ValueError) as err:
+    except (CorpusError, PreparationLockError, PreparedDataError, TokenizerNotFoundError, ValueError) as err:
         raise SystemExit(f"prepare-data: {err}") from err
     seconds = time.perf_counter() - started
     megabytes = sum(size for _, size, _ in manifest.fingerprint) / 1e6

@@ -56,13 +56,13 @@ class ShardWriter:
         self._in_shard = 0
 
     def append(self, tokens: np.ndarray) -> None:
-        tokens = tokens.astype(self.dtype, copy=False)
+        tokens = np.ascontiguousarray(tokens, dtype=self.dtype)  # a copy only if the dtype or layout differs
         while tokens.size:
             if self._file is None:
                 self._open()
             room = self.shard_tokens - self._in_shard
             assert self._file is not None
-            self._file.write(tokens[:room].tobytes())
+            self._file.write(memoryview(tokens[:room]))  # the array's own bytes, no copy
             self._in_shard += min(room, tokens.size)
             tokens = tokens[room:]
             if self._in_shard == self.shard_tokens:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -49,8 +50,7 @@ class ByteTokenizer:
         """One stream of ids: each document's bytes followed by the end-of-sequence id (vectorized, no Python loop)."""
         encoded = [doc.encode("utf-8") for doc in documents]
         ids = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(np.int64) + self.byte_offset
-        ends = np.cumsum([len(data) for data in encoded])
-        return np.insert(ids, ends, self.eos_id)
+        return end_each_document(ids, np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), self.eos_id)
 
     def decode(self, ids: list[int]) -> str:
         data = bytes(i - self.byte_offset for i in ids if self.byte_offset <= i < self.byte_offset + 256)
@@ -85,14 +85,21 @@ class HuggingFaceTokenizer:
         self.vocab_size = len(self._tokenizer)
         self.eos_id = self._tokenizer.eos_token_id if self._tokenizer.eos_token_id is not None else 0
         self.pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else self.eos_id
+        self._backend = _batch_backend(self._tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
     def encode_documents(self, documents: list[str]) -> np.ndarray:
         """One stream of ids: each document followed by the end-of-sequence id, from one batched (Rust) call."""
-        batches = self._tokenizer(documents, add_special_tokens=False)["input_ids"]
-        return np.fromiter(itertools.chain.from_iterable((*ids, self.eos_id) for ids in batches), dtype=np.int64)
+        if self._backend is None:  # a slow (pure Python) tokenizer: no batch call to make
+            ids = [self.encode(doc) for doc in documents]
+        else:  # encode_batch_fast (tokenizers >= 0.21) skips the character offsets, which nobody here reads
+            encode_batch = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+            ids = [encoding.ids for encoding in encode_batch(documents, add_special_tokens=False)]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
+        return end_each_document(flat, lengths, self.eos_id)
 
     def sentinel_ids(self, count: int) -> list[int]:
         ids = [self._tokenizer.convert_tokens_to_ids(f"<extra_id_{i}>") for i in range(count)]
@@ -102,6 +109,25 @@ class HuggingFaceTokenizer:
                 "corruption needs a T5/mT5 tokenizer."
             )
         return ids
+
+
+def end_each_document(ids: np.ndarray, lengths: np.ndarray, eos_id: int) -> np.ndarray:
+    """``ids`` (the documents' ids back to back, ``lengths`` each) with ``eos_id`` after each document."""
+    return np.insert(ids, np.cumsum(lengths), eos_id)
+
+
+def _batch_backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer behind a fast tokenizer, with no padding or truncation; None for a slow tokenizer.
+
+    Called directly it skips what ``tokenizer(list)`` builds per document in Python (attention masks, a
+    ``BatchEncoding``).
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    backend = copy.deepcopy(tokenizer.backend_tokenizer)  # transformers sets padding/truncation on its own per call
+    backend.no_padding()
+    backend.no_truncation()
+    return backend
 
 
 def load_tokenizer(spec: str = "byte") -> Tokenizer:
