@@ -105,9 +105,12 @@ def timed_all_gather(elements: int, group: Optional[Any] = None) -> float:
     device = collective_device(group)
     piece = torch.zeros(elements, dtype=torch.uint8, device=device)
     output = torch.empty(elements * world_size(group), dtype=torch.uint8, device=device)
+    barrier(group)  # start together: a rank's time must not include waiting for a late peer
     _synchronize(device)
     start = time.perf_counter()
-    if is_distributed():
+    if is_distributed() and device.type == "cuda":
+        dist.all_gather_into_tensor(output, piece, group=group)  # NCCL's native form, no copy back into a list
+    elif is_distributed():
         dist.all_gather(list(output.chunk(world_size(group))), piece, group=group)  # gloo has no all_gather_into
     _synchronize(device)
     return time.perf_counter() - start

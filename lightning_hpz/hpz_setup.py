@@ -196,7 +196,7 @@ class HpzSetup:
             super(self._lightning_deepspeed_strategy, self).setup_environment()
         else:
             super().setup_environment()
-        if self._autotuner is not None:
+        if self._autotuner is not None and self._autotune_wanted():
             self._autotuner.start(self._layout(), self._autotune_resume_path())
             if self._autotuner.decision is not None:  # re-used from the checkpoint: known before anything is built
                 self._apply_autotune(self._autotuner.decision)
@@ -215,6 +215,8 @@ class HpzSetup:
         finally:
             if self.copy_ordering is not None:
                 partitioning.uninstall(self.copy_ordering)
+            if self._autotuner is not None:
+                self._autotuner.end_of_run()
 
     def _init_deepspeed_distributed(self) -> None:
         super()._init_deepspeed_distributed()
@@ -247,17 +249,19 @@ class HpzSetup:
     def _autotune_resume_path(self) -> Union[str, Path, None]:
         return self.autotune_checkpoint
 
+    def _autotune_wanted(self) -> bool:
+        """Whether this run builds a training engine (the Trainer's validate/test/predict do not)."""
+        return True
+
     def _tune_structure(self, module: Optional[torch.nn.Module]) -> None:
-        """Before a ``zero.Init`` converts parameters: fix the hpZ size and persistence threshold they are made with."""
-        if self._autotuner is None or self._autotuner.decision is not None:
+        """Before a ``zero.Init`` converts parameters: fix the hpZ size they are made with."""
+        if self._autotuner is None or not self._autotune_wanted():
             return
-        self._autotuner.decide_structure(module or torch.nn.Module(), self._layout(), self.config)
-        pinned = self._autotuner.structure
-        assert pinned is not None
-        self._apply_zero_keys({"zero_hpz_partition_size": pinned.hpz_partition_size, **pinned.thresholds})
+        size = self._autotuner.decide_structure(module or torch.nn.Module(), self._layout(), self.config)
+        self._apply_zero_keys({"zero_hpz_partition_size": size})
 
     def _apply_autotune(self, decision: TuningDecision) -> None:
-        self._apply_zero_keys(decision.zero_section())
+        self._apply_zero_keys(decision.zero_section(spelled_as=self.config.get("zero_optimization")))
 
     def _apply_zero_keys(self, keys: dict[str, Any]) -> None:
         size = int(keys.get("zero_hpz_partition_size", self.hpz_partition_size or 1))

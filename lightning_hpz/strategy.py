@@ -145,6 +145,11 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         rank_failure.release_peers(children, self.failure_grace_period)
 
     @override
+    def _autotune_wanted(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is None or trainer.state.fn == TrainerFn.FITTING
+
+    @override
     def _autotune_resume_path(self) -> Optional[Any]:
         if self.autotune_checkpoint is not None or self.lightning_module is None:
             return self.autotune_checkpoint

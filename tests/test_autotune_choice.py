@@ -11,6 +11,7 @@ from lightning_hpz.planning.communication import ClusterLayout
 from lightning_hpz.planning.tuning import (
     LIVE,
     PERSISTENCE,
+    PREFETCH,
     REUSE,
     FixedSettings,
     LinkFigures,
@@ -50,7 +51,8 @@ def decide(link: LinkFigures, budget: float = TIGHT, fixed: FixedSettings = NOTH
 def test_slow_link_and_tight_memory_choose_hpz_over_the_node_with_released_parameters():
     pick, found, _ = decide(links(inter_gbps=0.05))
     assert (pick.hpz_partition_size, pick.name) == (2, "hpz2-release")
-    assert pick.zero_thresholds[LIVE] == 0 and pick.zero_thresholds[REUSE] == 0
+    assert pick.zero_thresholds[REUSE] == 0  # nothing is used again soon enough to stay: all re-gathered
+    assert pick.zero_thresholds[LIVE] >= pick.zero_thresholds[PREFETCH]  # prefetching still has room
     fitting = [c for c in found if c.fits]
     assert pick.predicted_comm_s == min(c.predicted_comm_s for c in fitting)
     assert any(not c.fits for c in found)  # keeping the whole model gathered exceeds the budget
@@ -100,11 +102,13 @@ def test_nothing_fits_names_the_smallest_need_and_the_fixes():
         decide(links(inter_gbps=0.05), budget=10 * MB)
 
 
-def test_retained_fraction_follows_the_reuse_distance_only():
-    assert retained_fraction({LIVE: 0, REUSE: 0}, 1000) == 0.0
-    assert retained_fraction({LIVE: 0, REUSE: 1000}, 1000) == 0.5  # live parameters only cap prefetching
-    assert retained_fraction({LIVE: 10**9, REUSE: 400}, 1000) == 0.2
-    assert retained_fraction({LIVE: 10**9, REUSE: 10**9}, 1000) == 1.0
+def test_retained_fraction_follows_the_reuse_distance_and_the_prefetch_bucket():
+    no_prefetch = {LIVE: 10**9, PREFETCH: 0}
+    assert retained_fraction({**no_prefetch, REUSE: 0}, 1000) == 0.0
+    assert retained_fraction({**no_prefetch, REUSE: 1000}, 1000) == 0.5
+    assert retained_fraction({**no_prefetch, REUSE: 10**9}, 1000) == 1.0
+    assert retained_fraction({LIVE: 10**9, PREFETCH: 100, REUSE: 0}, 1000) == 0.2  # two buckets at the turn
+    assert retained_fraction({LIVE: 0, PREFETCH: 100, REUSE: 0}, 1000) == 0.0  # live parameters cap prefetching
     keep = profile_thresholds("keep", FACTS, 0)
     assert retained_fraction(keep, FACTS.parameter_count) == 1.0
 

@@ -7,12 +7,15 @@ figures apply the same configuration. The model behind the predictions:
   forward all-gather over the world, the backward all-gather over the hpZ group (the world without hpZ) of the part of
   the model that was released after forward, and the gradient reduction over the world. Bytes cost the measured
   bandwidth (a node's cross-node bytes share its link); each all-gather of a module costs the measured latency.
-* How much of the model stays gathered from forward to backward follows from ``stage3_max_reuse_distance``:
-  DeepSpeed releases a module's parameters after it ran unless they are used again within that many parameter
-  elements of the recorded module order (``PartitionedParameterCoordinator.__params_to_release``). In backward the
-  parameters used last in forward come first, at a reuse distance of about twice the elements after them, so the
-  retained fraction is about ``reuse / (2 * params)``. ``stage3_max_live_parameters`` only caps what is gathered
-  ahead of use (prefetching), so each profile sets it to what it retains plus the prefetch bucket.
+* How much of the model stays gathered from forward to backward: DeepSpeed releases a module's parameters after it
+  ran unless they are used again within ``stage3_max_reuse_distance`` parameter elements of the recorded module
+  order, or were already prefetched for a later use (``PartitionedParameterCoordinator.__params_to_release``). In
+  backward the parameters used last in forward come first, at a reuse distance of about twice the elements after
+  them; at the turn from forward to backward, parameters the prefetcher claimed stay too. Measured on DeepSpeed 0.19.8
+  (8 equal layers, ``tests/test_autotune_retention.py`` and docs/autotune.md): with a prefetch bucket of one module
+  the retained share is ``max(reuse / 2, 2 * prefetch) / params``; ``stage3_max_live_parameters`` only caps
+  prefetching. Larger buckets keep more than that (two modules' bucket kept six of eight layers at any reuse distance
+  below twice the model), so the profiles prefetch one module ahead, where the rule holds.
 * Memory per rank: the ZeRO-3 model states of :mod:`lightning_hpz.planning.memory`, plus the retained gathered
   parameters, hpZ's secondary shards of the released part, full copies of persistent parameters, and one module plus
   the prefetch bucket in flight. A candidate fits when that is at most ``1 - MEMORY_HEADROOM`` of the budget; the
@@ -43,6 +46,13 @@ LIVE, REUSE, PREFETCH, PERSISTENCE = (
     "stage3_param_persistence_threshold",
 )
 THRESHOLD_KEYS = (LIVE, REUSE, PREFETCH, PERSISTENCE)
+# DeepSpeed's config accepts each key also under its field name; a user's value may come under either.
+FIELD_NAMES = {
+    LIVE: "max_live_parameters",
+    REUSE: "max_reuse_distance",
+    PREFETCH: "prefetch_bucket_size",
+    PERSISTENCE: "param_persistence_threshold",
+}
 DEEPSPEED_DEFAULTS = {LIVE: 1_000_000_000, REUSE: 1_000_000_000, PREFETCH: 50_000_000, PERSISTENCE: 100_000}
 MEMORY_HEADROOM = 0.2  # share of the budget kept free for activations, temporaries and fragmentation
 NEAR_TIE = 0.02  # predictions this close to the fastest count as equally fast; the least memory wins among them
@@ -81,13 +91,19 @@ class LinkFigures:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """The shapes the planner needs: the element counts of each module's own trainable parameters, in order."""
+    """The shapes the planner needs: the element counts of each module's own parameters, in order (frozen ones too:
+    ZeRO-3 shards and gathers them like the others), and how many elements are trained (gradients, optimizer)."""
 
     module_parameters: tuple[tuple[int, ...], ...]
+    trainable_elements: Optional[int] = None  # None: all of them
 
     @property
     def parameter_count(self) -> int:
         return sum(sum(numels) for numels in self.module_parameters)
+
+    @property
+    def trainable_count(self) -> int:
+        return self.parameter_count if self.trainable_elements is None else self.trainable_elements
 
     def persistent_elements(self, threshold: int) -> int:
         return sum(n for numels in self.module_parameters for n in numels if n <= threshold)
@@ -146,7 +162,8 @@ def retained_fraction(thresholds: dict[str, int], parameter_count: int) -> float
     """Share of the model DeepSpeed keeps gathered from forward to backward under these thresholds."""
     if parameter_count <= 0:
         return 1.0
-    return max(0.0, min(1.0, thresholds[REUSE] / (2 * parameter_count)))
+    kept = max(thresholds[REUSE] / 2, 2 * min(thresholds[PREFETCH], thresholds[LIVE]))
+    return max(0.0, min(1.0, kept / parameter_count))
 
 
 def persistence_threshold(facts: ModelFacts) -> int:
@@ -166,12 +183,12 @@ def profile_thresholds(profile: str, facts: ModelFacts, persistence: int) -> dic
     """The four thresholds of a retention profile, sized to the model."""
     params = facts.parameter_count
     retained = RETENTION_PROFILES[profile]
-    # Prefetch the next two modules' parameters at most: overlap without holding much more than one module.
-    prefetch = min(DEEPSPEED_DEFAULTS[PREFETCH], 2 * facts.largest_module())
+    # One module ahead: overlap, and a retention DeepSpeed's release rule makes predictable (module docstring).
+    prefetch = min(DEEPSPEED_DEFAULTS[PREFETCH], facts.largest_module())
     if retained >= 1.0:  # never release: above the model size whatever DeepSpeed's defaults are
         live, reuse = max(DEEPSPEED_DEFAULTS[LIVE], params), max(DEEPSPEED_DEFAULTS[REUSE], 2 * params)
     else:
-        live, reuse = int(retained * params) + prefetch, int(2 * retained * params)
+        live, reuse = int(retained * params) + 2 * prefetch, int(2 * retained * params)
     return {LIVE: live, REUSE: reuse, PREFETCH: prefetch, PERSISTENCE: persistence}
 
 
@@ -216,11 +233,12 @@ def predicted_comm_seconds(
     traffic = ring_traffic(forward_bytes, world, layout) + ring_traffic(
         sharded * training.param_bytes, backward_group, layout
     ).scaled(released)
+    trained = facts.trainable_count
     if training.quantized_gradients:
-        traffic = traffic + hierarchical_gradient_all_to_all(params, layout)
+        traffic = traffic + hierarchical_gradient_all_to_all(trained, layout)
     else:
         passes = 2 if training.gradient_reduction == "all_reduce" else 1
-        traffic = traffic + ring_traffic(params * training.grad_bytes, world, layout, passes=passes)
+        traffic = traffic + ring_traffic(trained * training.grad_bytes, world, layout, passes=passes)
     gathers = facts.gathered_modules(thresholds[PERSISTENCE])
     latency = gathers * group_latency(world, layout, links) + gathers * released * group_latency(
         backward_group, layout, links
@@ -235,8 +253,8 @@ def predicted_memory_bytes(
     params = facts.parameter_count
     persistent = facts.persistent_elements(thresholds[PERSISTENCE])
     sharded = params - persistent
-    states = memory_per_rank(
-        params,
+    trained = memory_per_rank(
+        facts.trainable_count,
         ZeroSetup(3),
         layout,
         training.param_bytes,
@@ -244,6 +262,8 @@ def predicted_memory_bytes(
         training.grad_bytes,
         training.reduce_bucket_elements,
     ).total
+    frozen_shards = (params - facts.trainable_count) * training.param_bytes / layout.world_size
+    states = trained + frozen_shards
     retained = retained_fraction(thresholds, params)
     secondary = (1.0 - retained) * sharded / hpz if hpz > 1 else 0.0
     in_flight = facts.largest_module() + thresholds[PREFETCH]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_hpz.planning.tuning import GIB, MEMORY_HEADROOM, THRESHOLD_KEYS, Candidate, LinkFigures
+from lightning_hpz.planning.tuning import FIELD_NAMES, GIB, MEMORY_HEADROOM, THRESHOLD_KEYS, Candidate, LinkFigures
 
 DECISION_FORMAT = 1
 
@@ -23,6 +23,7 @@ class TuningDecision:
     reason: str
     source: str  # "probe": measured in this run; "checkpoint": re-used from the checkpoint resumed
     layout: tuple[int, int]  # (nodes, devices per node) the choice was made for
+    parameter_count: int = 0  # of the model it was made for
 
     @classmethod
     def from_choice(
@@ -33,6 +34,7 @@ class TuningDecision:
         budget_bytes: float,
         reason: str,
         layout: tuple[int, int],
+        parameter_count: int = 0,
     ) -> TuningDecision:
         return cls(
             hpz_partition_size=pick.hpz_partition_size,
@@ -44,6 +46,7 @@ class TuningDecision:
             reason=reason,
             source="probe",
             layout=layout,
+            parameter_count=parameter_count,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -58,6 +61,7 @@ class TuningDecision:
             "reason": self.reason,
             "source": self.source,
             "layout": list(self.layout),
+            "parameter_count": self.parameter_count,
         }
 
     @classmethod
@@ -74,11 +78,18 @@ class TuningDecision:
             reason=str(record["reason"]),
             source=source,
             layout=tuple(record["layout"]),  # type: ignore[arg-type]
+            parameter_count=int(record.get("parameter_count", 0)),
         )
 
-    def zero_section(self) -> dict[str, int]:
-        """The ``zero_optimization`` keys this decision sets."""
-        return {"zero_hpz_partition_size": self.hpz_partition_size, **self.zero_thresholds}
+    def zero_section(self, spelled_as: Optional[dict[str, Any]] = None) -> dict[str, int]:
+        """The ``zero_optimization`` keys this decision sets, each under the name ``spelled_as`` (a config section)
+        already uses for it: DeepSpeed refuses a value given under both its key and its field name."""
+        section = dict(spelled_as or {})
+        keys = {k: (FIELD_NAMES[k] if FIELD_NAMES[k] in section else k) for k in THRESHOLD_KEYS}
+        return {
+            "zero_hpz_partition_size": self.hpz_partition_size,
+            **{keys[k]: v for k, v in self.zero_thresholds.items()},
+        }
 
     def table(self) -> str:
         """Candidates, predictions, the choice and why, as the log shows them."""
