@@ -166,3 +166,35 @@ def test_bad_autotune_settings_are_refused_when_the_strategy_is_built(kwargs, me
 
     with pytest.raises(HpzConfigurationError, match=message):
         HpzStrategy(**kwargs)
+
+
+def test_thresholds_given_under_deepspeeds_field_names_count_as_set_and_keep_their_spelling():
+    fixed = fixed_settings(None, {"zero_optimization": {"prefetch_bucket_size": 5}})
+    assert fixed.thresholds == {PREFETCH: 5}
+    pick, found, why = decide(links(inter_gbps=0.2), budget=PLENTY, fixed=fixed)
+    decision = TuningDecision.from_choice(pick, found, links(0.2), PLENTY, why, (2, 2))
+    section = decision.zero_section(spelled_as={"prefetch_bucket_size": 5})
+    assert section["prefetch_bucket_size"] == 5 and PREFETCH not in section
+    assert REUSE in section  # the others keep DeepSpeed's key
+
+
+def test_frozen_parameters_are_gathered_but_have_no_gradients_or_optimizer_states():
+    all_trained = candidates(FACTS, LAYOUT, links(0.2), FP32_GLOO, NOTHING_FIXED, PLENTY)
+    half_frozen = ModelFacts(FACTS.module_parameters, trainable_elements=FACTS.parameter_count // 2)
+    frozen = candidates(half_frozen, LAYOUT, links(0.2), FP32_GLOO, NOTHING_FIXED, PLENTY)
+    for trained, partly in zip(all_trained, frozen, strict=True):
+        assert partly.predicted_memory_bytes < trained.predicted_memory_bytes
+        assert partly.predicted_comm_s < trained.predicted_comm_s  # less to reduce, as much to gather
+        assert partly.predicted_comm_s > 0.5 * trained.predicted_comm_s
+
+
+def test_model_facts_count_frozen_parameters_apart():
+    import torch
+
+    from lightning_hpz.autotune.tuner import model_facts
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    facts = model_facts(model)
+    assert facts.module_parameters == ((16, 4), (8, 2))
+    assert facts.trainable_count == 10 and facts.parameter_count == 30
