@@ -55,7 +55,7 @@ FIELD_NAMES = {
 }
 DEEPSPEED_DEFAULTS = {LIVE: 1_000_000_000, REUSE: 1_000_000_000, PREFETCH: 50_000_000, PERSISTENCE: 100_000}
 MEMORY_HEADROOM = 0.2  # share of the budget kept free for activations, temporaries and fragmentation
-NEAR_TIE = 0.02  # predictions this close to the fastest count as equally fast; the least memory wins among them
+NEAR_TIE = 0.005  # predictions this close to the fastest count as equally fast; the least memory wins among them
 PERSISTENT_SHARE = 0.01  # small parameters kept whole on every rank may hold at most this share of the model
 # Retention profiles: the share of the model kept gathered from forward to backward.
 RETENTION_PROFILES = {"release": 0.0, "half": 0.5, "keep": 1.0}
