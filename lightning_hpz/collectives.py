@@ -99,13 +99,15 @@ def destroy_group(group: Optional[Any]) -> None:
 
 
 def timed_all_gather(elements: int, group: Optional[Any] = None) -> float:
-    """Seconds this rank spends in one all-gather of ``elements`` bytes per rank over ``group`` (device-synced)."""
+    """Seconds from a world-wide barrier to the end of this rank's all-gather of ``elements`` bytes per rank over
+    ``group`` (device-synced). Every rank of the world calls it at once, each with its own group: the groups start
+    together, so ranks whose groups share a link share it for the whole measurement."""
     import time
 
     device = collective_device(group)
     piece = torch.zeros(elements, dtype=torch.uint8, device=device)
     output = torch.empty(elements * world_size(group), dtype=torch.uint8, device=device)
-    barrier(group)  # start together: a rank's time must not include waiting for a late peer
+    barrier()  # all groups start together: one group alone would find the shared link idle
     _synchronize(device)
     start = time.perf_counter()
     if is_distributed() and device.type == "cuda":
