@@ -140,12 +140,22 @@ def _collectives_on(backend: str) -> tuple[str, str]:
             "all_gather_tensor": [t.tolist() for t in gathered] == [[1.0, 2.0]] and gathered[0].device.type == "cpu",
             "all_gather_object": collectives.all_gather_object({"a": 1}) == [{"a": 1}],
             "broadcast_object": collectives.broadcast_object("x") == "x",
+            "timed_all_gather": _probe_helpers_work(collectives),  # the autotuner's link probe
         }
         collectives.barrier()
     finally:
         torch.distributed.destroy_process_group()
     failed = [name for name, ok in results.items() if ok is False]
     return ("FAIL" if failed else "PASS"), f"tensors on {results['device']}; failed: {failed or 'none'}"
+
+
+def _probe_helpers_work(collectives: object) -> bool:
+    group = collectives.new_subgroups([[0]])
+    try:
+        seconds = collectives.timed_all_gather(1 << 20, group)
+    finally:
+        collectives.destroy_group(group)
+    return 0 < seconds < 10
 
 
 def collectives_under_nccl() -> tuple[str, str]:
