@@ -207,7 +207,3 @@ def register() -> None:
 
 # Importing the strategy registers its names; lightning_hpz.registration imports it as soon as Lightning is loaded.
 register()
-
-
-# Importing the strategy registers its names; lightning_hpz.registration imports it as soon as Lightning is loaded.
-register()
