@@ -88,3 +88,20 @@ def quickstart_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]
     )
     assert completed.returncode == 0, completed.stdout[-4000:]
     return root, completed
+
+
+PLAIN_ZERO3_STEPS = 24
+PLAIN_ZERO3_CHECKPOINT_EVERY = 11
+
+
+@pytest.fixture(scope="session")
+def plain_zero3_toy(tmp_path_factory) -> tuple[ScriptRun, Path]:
+    """toy_training.py under plain ZeRO-3 (hpZ off) on 4 ranks, parameters re-gathered, a checkpoint at step 11: the
+    ground truth the hpZ runs of test_strategy_training.py and test_race_emulation.py must equal. One launch for both;
+    returns the run and its output directory (checkpoints under ``ckpt``)."""
+    out = tmp_path_factory.mktemp("plain_zero3") / "hpz1"
+    strategy = {"stage": 3, "hpz_partition_size": 1, "config": REGATHER_EVERY_MODULE}
+    options = {"steps": PLAIN_ZERO3_STEPS, "strategy": strategy, "checkpoint_every": PLAIN_ZERO3_CHECKPOINT_EVERY}
+    run = run_script("toy_training.py", options, out)
+    assert_succeeded(run)
+    return run, out
