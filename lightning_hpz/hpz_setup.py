@@ -145,6 +145,18 @@ class HpzSetup:
         devices = self.parallel_devices
         return devices[0].type if devices else None
 
+    @property
+    def needs_deepspeed_ops(self) -> bool:
+        """Whether DeepSpeed will JIT-compile an op for this run: its CPU communication op, or ``cpu_adam``."""
+        return self.on_cpu or partitioning.offloads_to_cpu_adam(self.config)
+
+    def prepare_deepspeed_ops(self) -> None:
+        """Build or load those ops in this process, once per machine, announced, never waiting on a stale lock."""
+        if self.on_cpu:
+            partitioning.prepare_cpu_comm_op()
+        if partitioning.offloads_to_cpu_adam(self.config):
+            partitioning.prepare_cpu_adam_op()
+
     def _configure_launcher(self) -> None:
         # Called while the Trainer or Fabric is built, before any process is launched: the place for every layout check.
         self._resolve_layout()
@@ -190,8 +202,9 @@ class HpzSetup:
     def setup_environment(self) -> None:
         _quiet_deepspeed_deprecations()
         if self.on_cpu:
-            _use_deepspeed_cpu_accelerator()
-            partitioning.prepare_cpu_comm_op()  # no-op when the launcher did it; torchrun-started ranks need it
+            _use_deepspeed_cpu_accelerator()  # before any DeepSpeed op is built or loaded
+        self.prepare_deepspeed_ops()  # a quick load where the launcher built them; torchrun-started ranks need it
+        if self.on_cpu:
             # Lightning's DeepSpeedStrategy refuses anything but CUDA here; its parent (DDP) does the real work.
             super(self._lightning_deepspeed_strategy, self).setup_environment()
         else:

@@ -31,6 +31,8 @@ def register_now() -> None:
     # when it finishes. `import lightning` loads both lightning.fabric and lightning.pytorch, so one hook serves both.
     importlib.import_module("lightning_hpz.strategy")
     importlib.import_module("lightning_hpz.fabric.strategy")
+    # a mistyped name gets the closest of ours in Lightning's own error (Trainer and Fabric, not only the CLI)
+    importlib.import_module("lightning_hpz.strategy_name_hint").add_name_hints()
 
 
 class _RegisterAfterLightning(importlib.abc.MetaPathFinder):

@@ -21,9 +21,9 @@ from lightning_hpz.autotune import resume_path
 from lightning_hpz.callbacks.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz.checkpointing import commit, compatibility, resume
 from lightning_hpz.checkpointing.errors import CheckpointRefusedError
-from lightning_hpz.comm_op_launcher import CommOpFirstLauncher
 from lightning_hpz.hpz_setup import HpzSetup
 from lightning_hpz.inference import inference_config
+from lightning_hpz.op_build_launcher import OpsBuiltFirstLauncher
 from lightning_hpz.resumable_loader import ResumableLoader
 from lightning_hpz.run_exit import CoordinatedExit
 from lightning_hpz.strategy_presets import STRATEGY_PRESETS  # noqa: F401 - still importable from here
@@ -70,9 +70,11 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        # On CPU, build DeepSpeed's communication op once, visibly, before the other ranks start (comm_op_launcher).
-        if self.on_cpu and type(self._launcher) is _SubprocessScriptLauncher:
-            self._launcher = CommOpFirstLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        # Build the ops DeepSpeed JIT-compiles once, visibly, before the other ranks start (op_build_launcher).
+        if self.needs_deepspeed_ops and type(self._launcher) is _SubprocessScriptLauncher:
+            self._launcher = OpsBuiltFirstLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes, prepare_ops=self.prepare_deepspeed_ops
+            )
 
     # ----------------------------------------------------------------------------------------------- environment
     @override
@@ -216,10 +218,6 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
 
 def register() -> None:
     HpzStrategy.register_strategies(StrategyRegistry)
-
-
-# Importing the strategy registers its names; lightning_hpz.registration imports it as soon as Lightning is loaded.
-register()
 
 
 # Importing the strategy registers its names; lightning_hpz.registration imports it as soon as Lightning is loaded.

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).parent / "scripts"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Parameters are released after forward and re-gathered in backward even for a tiny model, as in a 7B model:
 # otherwise DeepSpeed keeps them alive and hpZ is never exercised after the first step.
 REGATHER_EVERY_MODULE = {
@@ -68,3 +69,39 @@ def assert_succeeded(run: ScriptRun, ranks: int = 4) -> None:
 @pytest.fixture(scope="module")
 def module_tmp(tmp_path_factory, request) -> Path:
     return tmp_path_factory.mktemp(request.module.__name__.split(".")[-1])
+
+
+QUICKSTART_STEPS = 40
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The README's first command cut to 40 steps (4 ranks, hpZ 2), exporting at the end: one launch that the
+    quickstart and the Hugging Face export tests both read. Returns the run's directory and its output."""
+    root = tmp_path_factory.mktemp("quickstart")
+    command = [sys.executable, "-m", "lightning_hpz.cli", "fit", "--config", str(CONFIGS / "quickstart.yaml")]
+    command += [f"--trainer.max_steps={QUICKSTART_STEPS}", "--trainer.val_check_interval=20"]
+    command += ["--model.init_args.export_dir", "run/at_end"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    completed = subprocess.run(
+        command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+    )
+    assert completed.returncode == 0, completed.stdout[-4000:]
+    return root, completed
+
+
+PLAIN_ZERO3_STEPS = 24
+PLAIN_ZERO3_CHECKPOINT_EVERY = 11
+
+
+@pytest.fixture(scope="session")
+def plain_zero3_toy(tmp_path_factory) -> tuple[ScriptRun, Path]:
+    """toy_training.py under plain ZeRO-3 (hpZ off) on 4 ranks, parameters re-gathered, a checkpoint at step 11: the
+    ground truth the hpZ runs of test_strategy_training.py and test_race_emulation.py must equal. One launch for both;
+    returns the run and its output directory (checkpoints under ``ckpt``)."""
+    out = tmp_path_factory.mktemp("plain_zero3") / "hpz1"
+    strategy = {"stage": 3, "hpz_partition_size": 1, "config": REGATHER_EVERY_MODULE}
+    options = {"steps": PLAIN_ZERO3_STEPS, "strategy": strategy, "checkpoint_every": PLAIN_ZERO3_CHECKPOINT_EVERY}
+    run = run_script("toy_training.py", options, out)
+    assert_succeeded(run)
+    return run, out

@@ -10,10 +10,10 @@ from typing import Union
 import pytest
 from jsonargparse import ArgumentParser
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningArgumentParser
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
-import lightning_hpz  # noqa: F401 - registers the strategy names the configs use
+import lightning_hpz  # registers the strategy names the configs use
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
@@ -59,17 +59,29 @@ def _fit(config: Path, out: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["toy_hpz_by_name.yaml", "toy_hpz_class_path.yaml"])
-def test_fit_through_cli(name, tmp_path):
+def test_fit_through_cli_with_the_strategy_as_class_path(tmp_path):
     out = tmp_path / "out"
-    result = _fit(Path(__file__).parent / "configs" / name, out)
+    result = _fit(Path(__file__).parent / "configs" / "toy_hpz_class_path.yaml", out)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(record["strategy"] == "HpzStrategy" for record in records)
     assert all(len(record["losses"]) == 6 for record in records)
-    expected_size = 1 if name == "toy_hpz_by_name.yaml" else 2  # "auto" is off on a single node
-    assert records[0]["zero_config"]["zero_hpz_partition_size"] == expected_size
+    assert records[0]["zero_config"]["zero_hpz_partition_size"] == 2
     assert records[0]["zero_config"]["stage"] == 3
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")  # args given in-process, on purpose
+def test_strategy_by_name_builds_the_hpz_strategy_through_cli(monkeypatch):
+    # `strategy: hpz` resolves to the very HpzStrategy the class_path launch above trains with; built, not launched
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "scripts"))
+    config = Path(__file__).parent / "configs" / "toy_hpz_by_name.yaml"
+    cli = LightningCLI(
+        run=False, subclass_mode_model=True, args=["--config", str(config)], auto_configure_optimizers=False
+    )
+    strategy = cli.trainer.strategy
+    assert type(strategy) is lightning_hpz.HpzStrategy and strategy.num_processes == 2
+    assert strategy.config["zero_optimization"]["zero_hpz_partition_size"] == 1  # "auto" is off on a single node
+    assert strategy.config["zero_optimization"]["stage"] == 3
 
 
 def test_unknown_command_lists_commands():

@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import assert_succeeded, run_script
 
-from lightning_hpz.partitioning import cpu_comm_op
+from lightning_hpz.partitioning import cpu_comm_op, extension_build
 
 OP = cpu_comm_op.OP_NAME
 
@@ -24,11 +24,11 @@ def _old_lock(directory):
 
 def test_fresh_lock_is_not_stale(tmp_path):
     (tmp_path / "lock").touch()
-    assert not cpu_comm_op.lock_is_stale(tmp_path / "lock")
+    assert not extension_build.lock_is_stale(tmp_path / "lock")
 
 
 def test_old_lock_with_nobody_in_the_build_directory_is_stale(tmp_path):
-    assert cpu_comm_op.lock_is_stale(_old_lock(tmp_path))
+    assert extension_build.lock_is_stale(_old_lock(tmp_path))
 
 
 def test_old_lock_with_a_process_in_the_build_directory_is_not_stale(tmp_path):
@@ -36,8 +36,8 @@ def test_old_lock_with_a_process_in_the_build_directory_is_not_stale(tmp_path):
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=tmp_path)  # a "compiler"
     try:
         time.sleep(0.5)
-        assert worker.pid in cpu_comm_op.processes_working_in(tmp_path)
-        assert not cpu_comm_op.lock_is_stale(lock)
+        assert worker.pid in extension_build.processes_working_in(tmp_path)
+        assert not extension_build.lock_is_stale(lock)
     finally:
         worker.kill()
         worker.wait()
@@ -45,14 +45,14 @@ def test_old_lock_with_a_process_in_the_build_directory_is_not_stale(tmp_path):
 
 def test_missing_compiler_is_named(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
-    assert "'no-such-compiler-xyz'" in cpu_comm_op.missing_build_tools()
+    assert "'no-such-compiler-xyz'" in extension_build.missing_build_tools()
 
 
 @pytest.fixture(scope="module")
 def extensions_with_stale_lock(tmp_path_factory):
     """A private TORCH_EXTENSIONS_DIR holding a copy of the built op and a lock left by a killed build."""
     cpu_comm_op.prepare_cpu_comm_op()  # in the real cache, where every other multi-process test needs it anyway
-    built = cpu_comm_op.build_directory(OP)
+    built = extension_build.build_directory(OP)
     extensions = tmp_path_factory.mktemp("torch_extensions")
     shutil.copytree(built, extensions / OP, symlinks=True, ignore=shutil.ignore_patterns("lock", "*.flock"))
     _old_lock(extensions / OP)

@@ -1,4 +1,4 @@
-"""From `lightning-hpz fit` on 2 CPU ranks to a directory that transformers' Auto classes load and generate with."""
+"""From `lightning-hpz fit` (the quickstart run of test_quickstart.py) to a directory the Auto classes load and use."""
 
 import json
 import os
@@ -13,10 +13,6 @@ from safetensors.torch import load_file
 from lightning_hpz.data.tokenizers import ByteTokenizer
 from lightning_hpz.hf_export import ExportError, export_checkpoint
 
-QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
-TWO_STEPS = ["--trainer.devices", "2", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]
-TWO_STEPS += ["--trainer.limit_val_batches", "1", "--trainer.default_root_dir", "run"]
-
 
 def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "lightning_hpz.cli", *argv]
@@ -25,15 +21,13 @@ def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def trained(module_tmp):
-    """A tiny Llama-2 trained with hpZ on 2 ranks; export_dir set, and a sharded checkpoint written at the end."""
-    fit = _cli("fit", "--config", QUICKSTART, *TWO_STEPS, "--model.init_args.export_dir", "run/at_end", cwd=module_tmp)
-    assert fit.returncode == 0, fit.stdout[-3000:] + fit.stderr[-3000:]
-    summary = json.loads((module_tmp / "runs" / "quickstart" / "summary.json").read_text())
-    checkpoint = module_tmp / summary["checkpoint"]
-    exported = _cli("export", str(checkpoint), "exported", cwd=module_tmp)
+def trained(quickstart_run):
+    """The quickstart run (a tiny Llama-2, hpZ, exported at the end), exported again from its sharded checkpoint."""
+    root, fit = quickstart_run
+    summary = json.loads((root / "runs" / "quickstart" / "summary.json").read_text())
+    exported = _cli("export", str(root / summary["checkpoint"]), "exported", cwd=root)
     assert exported.returncode == 0, exported.stdout[-3000:] + exported.stderr[-3000:]
-    return module_tmp, fit.stdout
+    return root, fit.stdout
 
 
 @pytest.mark.multiprocess

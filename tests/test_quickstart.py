@@ -2,13 +2,11 @@
 
 import inspect
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import QUICKSTART_STEPS
 from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser
@@ -67,27 +65,13 @@ def _import(path: str):
 
 
 @pytest.mark.multiprocess
-def test_quickstart_trains_and_reports(tmp_path):
+def test_quickstart_trains_and_reports(quickstart_run):
     """The README's first command, cut to 40 steps: the loss falls by a third; the summary says where things are."""
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_hpz.cli",
-        "fit",
-        "--config",
-        str(CONFIGS / "quickstart.yaml"),
-        "--trainer.max_steps=40",
-        "--trainer.val_check_interval=20",
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    completed = subprocess.run(
-        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
-    )
-    assert completed.returncode == 0, completed.stdout[-4000:]
-    summary = json.loads((tmp_path / "runs/quickstart/summary.json").read_text())
-    assert summary["steps"] == 40
+    root, completed = quickstart_run
+    summary = json.loads((root / "runs/quickstart/summary.json").read_text())
+    assert summary["steps"] == QUICKSTART_STEPS
     assert summary["last_loss"] < summary["first_loss"] * 2 / 3, summary
     assert 1 < summary["val_perplexity"] < 384  # better than uniform over the tiny vocabulary
     assert summary["tokens_per_second"] > 0
-    assert (tmp_path / summary["checkpoint"]).is_dir()  # a sharded DeepSpeed checkpoint
-    assert "training summary (40 steps, completed)" in completed.stdout
+    assert (root / summary["checkpoint"]).is_dir()  # a sharded DeepSpeed checkpoint
+    assert f"training summary ({QUICKSTART_STEPS} steps, completed)" in completed.stdout

@@ -3,10 +3,10 @@
 import math
 
 import pytest
-from conftest import REGATHER_EVERY_MODULE, assert_succeeded, run_script
+from conftest import PLAIN_ZERO3_STEPS, REGATHER_EVERY_MODULE, assert_succeeded, run_script
 
 pytestmark = pytest.mark.multiprocess
-STEPS = 24
+STEPS = PLAIN_ZERO3_STEPS  # the plain ZeRO-3 reference run (conftest.plain_zero3_toy) is shared
 
 
 def _train(module_tmp, name: str, **options):
@@ -14,10 +14,10 @@ def _train(module_tmp, name: str, **options):
 
 
 @pytest.fixture(scope="module")
-def stage3_runs(module_tmp):
+def stage3_runs(module_tmp, plain_zero3_toy):
     """Stage 3 with hpZ off, over pairs of ranks, and over all four ranks (checkpointing mid-epoch on the way)."""
-    runs = {}
-    for size in (1, 2, 4):
+    runs = {1: plain_zero3_toy[0]}
+    for size in (2, 4):
         strategy = {"stage": 3, "hpz_partition_size": size, "config": REGATHER_EVERY_MODULE}
         runs[size] = _train(module_tmp, f"hpz{size}", strategy=strategy, checkpoint_every=11)
         assert_succeeded(runs[size])
@@ -88,15 +88,16 @@ def test_stages_1_and_2_train_and_agree(stage12_runs, stage3_runs):
     assert zero_config["stage"] == 1 and "zero_hpz_partition_size" not in zero_config
 
 
-def test_consolidated_checkpoints_hold_identical_weights(stage3_runs, module_tmp):
+def test_consolidated_checkpoints_hold_identical_weights(stage3_runs, module_tmp, plain_zero3_toy):
     import torch
 
     from lightning_hpz.checkpoint import consolidate
 
     states = {}
-    for size in (1, 2, 4):
+    run_dirs = {1: plain_zero3_toy[1], 2: module_tmp / "hpz2", 4: module_tmp / "hpz4"}
+    for size, run_dir in run_dirs.items():
         target = module_tmp / f"consolidated{size}.pt"
-        consolidate(module_tmp / f"hpz{size}" / "ckpt" / "epoch=0-step=11.ckpt", target)
+        consolidate(run_dir / "ckpt" / "epoch=0-step=11.ckpt", target)
         states[size] = torch.load(target, weights_only=False)["state_dict"]
     assert sorted(states[1]) == [
         "net.0.bias",

@@ -31,6 +31,9 @@ _NEEDS_DEEPSPEED = {
     "count_secondary_partitions": "secondary_partitions",
     "refresh_secondary_partitions": "secondary_partitions",
     "prepare_cpu_comm_op": "cpu_comm_op",
+    "CpuAdamBuildError": "cpu_adam_op",
+    "offloads_to_cpu_adam": "cpu_adam_op",
+    "prepare_cpu_adam_op": "cpu_adam_op",
     "ensure_hpz_groups": "inference_engine",
     "optimizer_less_checkpoint_load": "inference_engine",
 }

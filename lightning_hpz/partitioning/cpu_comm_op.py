@@ -1,132 +1,35 @@
 """Make DeepSpeed's CPU communication op ready before any rank needs it, so a first run can never hang silently.
 
-On CPU, DeepSpeed JIT-compiles ``deepspeed_shm_comm`` into the torch-extensions cache the first time a process group
-starts (minutes on a small machine, nothing printed). torch guards that build with a ``lock`` file that records no
-owner; a process killed mid-build leaves it behind and every later run waits on it forever. Here the op is built or
-loaded under our own ``flock`` (the kernel drops it when its holder dies, so it cannot go stale), a ``lock`` whose
-owner is gone is removed with a message naming it, the build is announced and timed, and without a C++ compiler the
-op is switched off: DeepSpeed then uses torch's own gloo collectives, which it supports (``build_shm_op`` returns
-``None`` for an op marked incompatible in ``deepspeed.ops.__compatible_ops__``).
+On CPU, DeepSpeed JIT-compiles ``deepspeed_shm_comm`` the first time a process group starts; it is built or loaded
+here under the protection of :mod:`extension_build` (one build, announced, a stale lock removed). Without a C++
+compiler the op is switched off: DeepSpeed then uses torch's own gloo collectives, which it supports
+(``build_shm_op`` returns ``None`` for an op marked incompatible in ``deepspeed.ops.__compatible_ops__``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
-import shutil
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from lightning_hpz.partitioning.extension_build import Announce, build_or_load
 
 OP_NAME = "deepspeed_shm_comm"
-# A torch build lock this old, with no process working in the build directory, belongs to a process that is gone.
-# (A build that only loads an up-to-date op holds the lock well under a second; a real build has a compiler running.)
-STALE_LOCK_AGE_S = 10.0
-POLL_S = 1.0
-REBUILD_NOTICE_S = 20.0  # loading an up-to-date op takes seconds; a compile takes minutes
-
-Announce = Callable[[str], None]
+INSTALL_BUILD_TOOLS = (
+    "Install a C++ compiler (Debian/Ubuntu: apt-get install g++; conda: conda install gxx) and ninja "
+    "(pip install ninja)"
+)
 
 
 def prepare_cpu_comm_op(announce: Announce = print) -> str:
     """Build or load the op in this process; returns ``"loaded"``, ``"built"`` or ``"disabled"``."""
-    directory = build_directory(OP_NAME)
-    with exclusive_lock(directory / "lightning_hpz.flock"):
-        wait_for_torch_build_lock(directory / "lock", announce)
-        if (directory / f"{OP_NAME}.so").exists():
-            start = time.perf_counter()
-            _load()  # torch rebuilds here, silently, when DeepSpeed's sources or the build flags changed
-            if time.perf_counter() - start > REBUILD_NOTICE_S:
-                announce(f"lightning_hpz: rebuilt {OP_NAME} in {time.perf_counter() - start:.0f} s (sources changed).")
-            return "loaded"
-        missing = missing_build_tools()
-        if missing:
-            _disable()
-            announce(
-                f"lightning_hpz: {missing} not found, so DeepSpeed's CPU communication op ({OP_NAME}) cannot be "
-                "built; using torch's gloo collectives instead (slower on many ranks). Install a C++ compiler "
-                "(Debian/Ubuntu: apt-get install g++; conda: conda install gxx) and ninja (pip install ninja) to use "
-                "it."
-            )
-            return "disabled"
+
+    def use_gloo(missing: str) -> str:
+        _disable()
         announce(
-            f"lightning_hpz: building DeepSpeed's CPU communication op ({OP_NAME}) once into {directory}; "
-            "this takes 1-4 minutes on a small machine, later runs reuse it ..."
+            f"lightning_hpz: {missing} not found, so DeepSpeed's CPU communication op ({OP_NAME}) cannot be "
+            f"built; using torch's gloo collectives instead (slower on many ranks). {INSTALL_BUILD_TOOLS} to use it."
         )
-        start = time.perf_counter()
-        _load()
-        announce(f"lightning_hpz: built {OP_NAME} in {time.perf_counter() - start:.0f} s.")
-        return "built"
+        return "disabled"
 
-
-def build_directory(name: str) -> Path:
-    """Where torch builds ``name`` (``TORCH_EXTENSIONS_DIR``, else the per-Python/per-accelerator cache)."""
-    from torch.utils.cpp_extension import _get_build_directory  # torch internal: the path torch's own load() uses
-
-    return Path(_get_build_directory(name, verbose=False))
-
-
-@contextlib.contextmanager
-def exclusive_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # released by the kernel when this process ends, however it ends
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def wait_for_torch_build_lock(lock: Path, announce: Announce, stale_after_s: float = STALE_LOCK_AGE_S) -> None:
-    """Return once torch's build lock is gone: released by a live builder, or removed because its owner is gone."""
-    waited_since = time.monotonic()
-    announced_wait = False
-    while lock.exists():
-        if lock_is_stale(lock, stale_after_s):
-            with contextlib.suppress(FileNotFoundError):
-                lock.unlink()
-            announce(
-                f"lightning_hpz: removed the stale build lock {lock}: an earlier DeepSpeed build was interrupted "
-                "(a killed process), and every run would have waited on it forever."
-            )
-            return
-        if not announced_wait and time.monotonic() - waited_since > stale_after_s:
-            announced_wait = True
-            announce(
-                f"lightning_hpz: waiting for another process building {lock.parent.name} (lock file {lock}; if "
-                "no build is running, delete that file) ..."
-            )
-        time.sleep(POLL_S)
-
-
-def lock_is_stale(lock: Path, stale_after_s: float = STALE_LOCK_AGE_S) -> bool:
-    """Old enough, and no process is working in the build directory (ninja and the compiler run there)."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    return age > stale_after_s and not processes_working_in(lock.parent)
-
-
-def processes_working_in(directory: Path) -> list[int]:
-    """Ids of the processes whose working directory is ``directory`` (Linux /proc; empty where unreadable)."""
-    target = directory.resolve()
-    working = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError):
-            if Path(os.readlink(entry / "cwd")) == target:
-                working.append(int(entry.name))
-    return working
-
-
-def missing_build_tools() -> str:
-    """What torch's JIT build would lack: '' when a C++ compiler and ninja are both on the PATH."""
-    compiler = os.environ.get("CXX", "c++")  # the compiler torch's build uses
-    missing = [f"the C++ compiler {compiler!r}"] if shutil.which(compiler) is None else []
-    if shutil.which("ninja") is None:
-        missing.append("ninja")
-    return " and ".join(missing)
+    description = "DeepSpeed's CPU communication op"
+    return build_or_load(OP_NAME, description, _load, use_gloo, announce, build_time="1-4 minutes")
 
 
 def _load() -> None:
