@@ -327,7 +327,7 @@ def choose(found: Sequence[Candidate], budget_bytes: float) -> tuple[Candidate, 
     pick = min(near, key=lambda c: (c.predicted_memory_bytes, c.hpz_partition_size, c.name))
     why = (
         f"{pick.name}: predicted {pick.predicted_comm_s:.3g} s of communication per step "
-        f"({'the fastest' if pick.predicted_comm_s == fastest else f'within {NEAR_TIE:.0%} of the fastest'} of "
+        f"({'the fastest' if pick.predicted_comm_s == fastest else f'within {NEAR_TIE:.1%} of the fastest'} of "
         f"{len(fitting)} fitting candidates, {len(found) - len(fitting)} over the memory budget)"
     )
     if len(near) > 1:
