@@ -105,3 +105,16 @@ def plain_zero3_toy(tmp_path_factory) -> tuple[ScriptRun, Path]:
     run = run_script("toy_training.py", options, out)
     assert_succeeded(run)
     return run, out
+
+
+def netns_marks() -> list:
+    """Marks of a test module that builds the two-node network-namespace testbed (skipped where it cannot)."""
+    from lightning_hpz.bench.testbed import unavailable_reason
+
+    reason = unavailable_reason()
+    return [
+        pytest.mark.netns,
+        pytest.mark.multiprocess,
+        pytest.mark.slow,
+        pytest.mark.skipif(reason is not None, reason=f"two-node testbed unavailable: {reason}"),
+    ]

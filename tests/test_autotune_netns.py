@@ -13,16 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import netns_marks
 
-from lightning_hpz.bench.testbed import unavailable_reason
-
-REASON = unavailable_reason()
-pytestmark = [
-    pytest.mark.netns,
-    pytest.mark.multiprocess,
-    pytest.mark.slow,
-    pytest.mark.skipif(REASON is not None, reason=f"two-node testbed unavailable: {REASON}"),
-]
+pytestmark = netns_marks()
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "autotune_testbed.py"
 ARGS = ["--quick", "--speeds", "200mbit", "--rounds", "1", "--steps", "4", "--warmup", "1", "--memory-gib", "4"]
 

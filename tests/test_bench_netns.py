@@ -15,16 +15,11 @@ import sys
 import time
 
 import pytest
+from conftest import netns_marks
 
-from lightning_hpz.bench.testbed import TwoNodeTestbed, unavailable_reason
+from lightning_hpz.bench.testbed import TwoNodeTestbed
 
-REASON = unavailable_reason()
-pytestmark = [
-    pytest.mark.netns,
-    pytest.mark.multiprocess,
-    pytest.mark.slow,
-    pytest.mark.skipif(REASON is not None, reason=f"two-node testbed unavailable: {REASON}"),
-]
+pytestmark = netns_marks()
 BENCH = [sys.executable, "-m", "lightning_hpz.cli", "bench"]
 
 
