@@ -106,16 +106,26 @@ def timed_all_gather(elements: int, group: Optional[Any] = None) -> float:
 
     device = collective_device(group)
     piece = torch.zeros(elements, dtype=torch.uint8, device=device)
-    output = torch.empty(elements * world_size(group), dtype=torch.uint8, device=device)
+    # written before the clock starts: a fresh host buffer's first-touch page faults are not transfer time
+    output = torch.zeros(elements * world_size(group), dtype=torch.uint8, device=device)
     barrier()  # all groups start together: one group alone would find the shared link idle
     _synchronize(device)
     start = time.perf_counter()
-    if is_distributed() and device.type == "cuda":
-        dist.all_gather_into_tensor(output, piece, group=group)  # NCCL's native form, no copy back into a list
-    elif is_distributed():
-        dist.all_gather(list(output.chunk(world_size(group))), piece, group=group)  # gloo has no all_gather_into
+    if is_distributed():
+        _all_gather_into(output, piece, group)
     _synchronize(device)
     return time.perf_counter() - start
+
+
+def _all_gather_into(output: torch.Tensor, piece: torch.Tensor, group: Optional[Any]) -> None:
+    # the single-tensor form writes straight into ``output``; gloo's list form gathers into a temporary first
+    single = getattr(dist, "all_gather_single", None)  # torch >= 2.13, every backend
+    if single is not None:
+        single(output, piece, group=group)
+    elif output.device.type == "cuda":
+        dist.all_gather_into_tensor(output, piece, group=group)
+    else:  # gloo of older torch has no single-tensor all-gather
+        dist.all_gather(list(output.chunk(world_size(group))), piece, group=group)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -14,7 +14,7 @@ PARAMETERS = 8 * (64 * 64 + 64)
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("retention") / "out"
-    run = run_script("retention_semantics.py", {}, out, timeout=300)
+    run = run_script("retention_semantics.py", {}, out, timeout=300, ranks=2)
     assert run.returncode == 0, run.output[-4000:]
     assert sorted(run.ranks) == [0, 1], run.output[-4000:]
     return run.ranks

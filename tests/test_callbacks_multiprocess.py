@@ -20,7 +20,7 @@ SCRIPT = "callback_training.py"
 
 
 def launch(out: Path, expected_exit: int = 0, **options) -> dict:
-    run = run_script(SCRIPT, options, out, timeout=420)
+    run = run_script(SCRIPT, options, out, timeout=420, ranks=4)
     assert run.returncode == expected_exit, run.output[-4000:]
     result = json.loads((out / "result.json").read_text())
     result["losses"] = {step: float(value) for step, value in result["losses"].items()}

@@ -34,7 +34,7 @@ def written(module_tmp):
     """4 ranks write checkpoints at steps 2 and 4; rank 1 dies half-way through its shard at step 6."""
     job = {"stage": 3, "hpz": 2, "max_steps": 8, "kill_rank": 1, "kill_step": 6}
     options = {"devices": 4, "ckpt_dir": str(module_tmp / "ckpts"), "jobs": [job]}
-    run = run_script("checkpoint_training.py", options, module_tmp / "write", timeout=400)
+    run = run_script("checkpoint_training.py", options, module_tmp / "write", timeout=400, ranks=4)
     ckpts = module_tmp / "ckpts"
     # what a restarted job finds, before the later launches write into the same directory
     after_crash = {
@@ -79,7 +79,7 @@ def moved_down(written, module_tmp):
     jobs.append({"stage": 3, "max_steps": 8, "ckpt_path": "last"})
     jobs.append({"stage": 2, "max_steps": 4, "ckpt_dir": str(module_tmp / "ckpts_stage2")})
     options = {"devices": 2, "ckpt_dir": str(ckpts), "jobs": jobs}
-    return run_script("checkpoint_training.py", options, module_tmp / "down", timeout=500), copies
+    return run_script("checkpoint_training.py", options, module_tmp / "down", timeout=500, ranks=2), copies
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def moved_up(moved_down, written, module_tmp):
         {"stage": 3, "hpz": 2, "max_steps": 10, "ckpt_path": str(ckpts / "step=8.ckpt")},
     ]
     options = {"devices": 4, "ckpt_dir": str(module_tmp / "ckpts_up"), "jobs": jobs}
-    return run_script("checkpoint_training.py", options, module_tmp / "up", timeout=400)
+    return run_script("checkpoint_training.py", options, module_tmp / "up", timeout=400, ranks=4)
 
 
 def _jobs(run, ranks: int) -> list[list[dict]]:

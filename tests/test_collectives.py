@@ -1,7 +1,5 @@
 """lightning_hpz.collectives: the device each collective's tensors go to, and every helper on real gloo ranks."""
 
-import sys
-
 import pytest
 import torch
 from conftest import assert_succeeded, run_script
@@ -37,8 +35,7 @@ def test_tensors_go_to_this_ranks_gpu_under_nccl_only(monkeypatch, backend, expe
 
 @pytest.fixture(scope="module")
 def gloo_ranks(module_tmp):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    run = run_script("collectives_gloo.py", {}, module_tmp / "gloo", timeout=180, launcher=torchrun)
+    run = run_script("collectives_gloo.py", {}, module_tmp / "gloo", timeout=180, ranks=2)
     assert_succeeded(run, ranks=2)
     return run.ranks
 

@@ -26,7 +26,8 @@ def _launch(module_tmp, devices: int, settings: dict):
         {"name": name, "strategy": kwargs, "model": "configured" if name.endswith("configure_model") else "boring"}
         for name, kwargs in settings.items()
     ]
-    run = run_script("inference_contract.py", {"devices": devices, "runs": runs}, module_tmp / f"devices{devices}")
+    options = {"devices": devices, "runs": runs}
+    run = run_script("inference_contract.py", options, module_tmp / f"devices{devices}", ranks=devices)
     assert_succeeded(run, ranks=devices)
     return run
 

@@ -72,7 +72,8 @@ def run(module_tmp):
     strategy = {"stage": 3, "hpz_partition_size": 2, "config": REGATHER_EVERY_MODULE}
     records = {}
     for name, jobs in launches.items():
-        result = run_script("model_training.py", {"strategy": strategy, "jobs": jobs}, module_tmp / name, timeout=600)
+        options = {"strategy": strategy, "jobs": jobs}
+        result = run_script("model_training.py", options, module_tmp / name, timeout=600, ranks=4)
         assert_succeeded(result)
         for rank, record in result.ranks.items():
             records.setdefault(rank, {}).update(record["jobs"])

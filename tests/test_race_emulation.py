@@ -19,7 +19,7 @@ UNORDERED_STEPS = 4
 def _train(module_tmp, name: str, strategy: dict, env: dict | None = None, **options):
     strategy = {"stage": 3, "config": REGATHER_EVERY_MODULE, **strategy}
     options = {"steps": STEPS, **options, "strategy": strategy}
-    run = run_script("toy_training.py", options, module_tmp / name, env=env)
+    run = run_script("toy_training.py", options, module_tmp / name, env=env, ranks=4)
     assert_succeeded(run)
     return run
 

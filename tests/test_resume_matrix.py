@@ -65,10 +65,11 @@ def _cell(module, optimizer, strategy, checkpoint, accumulate, steps=None, check
 def _launch_pair(out, options: dict, cells: list[dict]):
     """Train every cell uninterrupted in one launch, then resume each from its checkpoint in a second."""
     out.mkdir(parents=True, exist_ok=True)
-    full = run_script("resume_matrix.py", {**options, "cells": cells}, out / "full", timeout=600)
+    ranks = options["devices"]
+    full = run_script("resume_matrix.py", {**options, "cells": cells}, out / "full", timeout=600, ranks=ranks)
     assert_succeeded(full, ranks=options["devices"])
     resumes = [{**cell, "resume_from": _checkpoint_path(out / "full", cell)} for cell in cells]
-    resumed = run_script("resume_matrix.py", {**options, "cells": resumes}, out / "resumed", timeout=600)
+    resumed = run_script("resume_matrix.py", {**options, "cells": resumes}, out / "resumed", timeout=600, ranks=ranks)
     assert_succeeded(resumed, ranks=options["devices"])
     return full, resumed
 
@@ -127,7 +128,9 @@ def test_resume_with_an_unrepeatable_order_is_refused(matrix_runs, module_tmp):
     cell = _cell(*CELLS[3])  # the MLP, stage 2
     cell["resume_from"] = _checkpoint_path(module_tmp / "stage2" / "full", cell)
     options = {**MATRIX, "strategy": STRATEGIES["stage2"], "shuffle": True, "use_distributed_sampler": False}
-    refused = run_script("resume_matrix.py", {**options, "cells": [cell]}, module_tmp / "refused", timeout=300)
+    refused = run_script(
+        "resume_matrix.py", {**options, "cells": [cell]}, module_tmp / "refused", timeout=300, ranks=options["devices"]
+    )
     assert refused.returncode != 0 and not refused.ranks
     assert "DataOrderError: Cannot resume exactly: the training DataLoader shuffles with a RandomSampler" in (
         refused.output

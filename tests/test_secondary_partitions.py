@@ -14,7 +14,7 @@ pytestmark = pytest.mark.multiprocess
 def runs(module_tmp):
     results = {}
     for size in (1, 2):
-        results[size] = run_script("secondary_partitions.py", {"hpz": size}, module_tmp / f"hpz{size}")
+        results[size] = run_script("secondary_partitions.py", {"hpz": size}, module_tmp / f"hpz{size}", ranks=4)
         assert_succeeded(results[size])
     return results
 

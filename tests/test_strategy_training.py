@@ -10,7 +10,7 @@ STEPS = PLAIN_ZERO3_STEPS  # the plain ZeRO-3 reference run (conftest.plain_zero
 
 
 def _train(module_tmp, name: str, **options):
-    return run_script("toy_training.py", {"steps": STEPS, **options}, module_tmp / name)
+    return run_script("toy_training.py", {"steps": STEPS, **options}, module_tmp / name, ranks=4)
 
 
 @pytest.fixture(scope="module")
