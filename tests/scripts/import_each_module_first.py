@@ -25,8 +25,11 @@ names = sorted(
     for path in root.rglob("*.py")
 )
 assert "lightning.pytorch" not in sys.modules, "Lightning must be loaded by the module under test"
-failures = {}
-for name in names:
+CONCURRENT = os.cpu_count() or 1  # the children only import: one per core
+
+
+def start(name: str) -> tuple[int, int]:
+    """Fork a child that imports ``name``; returns its pid and the read end of its error report."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -39,9 +42,19 @@ for name in names:
             code = 1
         os._exit(code)
     os.close(write_end)
+    return pid, read_end
+
+
+failures, running, waiting = {}, {}, list(names)
+while waiting or running:
+    while waiting and len(running) < CONCURRENT:
+        name = waiting.pop(0)
+        running[start(name)] = name
+    (pid, read_end), name = next(iter(running.items()))
     with os.fdopen(read_end) as report:
-        error = report.read()
+        error = report.read()  # until the child exits (its write end closes)
     os.waitpid(pid, 0)
+    del running[(pid, read_end)]
     if error:
         failures[name] = error
 print(json.dumps({"modules": names, "failures": failures}))
