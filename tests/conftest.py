@@ -1,4 +1,8 @@
-"""Shared helpers: launch a training script as a user would (one process per rank) and read what each rank wrote."""
+"""Shared helpers: launch a training script as a user would (one process per rank) and read what each rank wrote.
+
+``run_script`` starts a script through Lightning's own launcher, or, given ``ranks``, as ``torchrun`` would, forked
+from the session's warm launcher (``warm_launcher.py``), which saves each rank about 10 s of imports.
+"""
 
 from __future__ import annotations
 

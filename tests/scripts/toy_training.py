@@ -1,7 +1,8 @@
 """A user's ordinary LightningModule trained under lightning_hpz, launched as a script (one process per rank).
 
 Run as ``python toy_training.py '<json options>'``: Lightning's launcher re-executes it once per extra rank, exactly
-as a user's own script would be. Each rank writes ``rank<r>.json`` into ``out`` with what the tests assert on.
+as a user's own script would be; or as under ``torchrun`` (the tests' warm launcher, ``run_script(ranks=N)``). Each
+rank writes ``rank<r>.json`` into ``out`` with what the tests assert on.
 """
 
 import json
