@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 from conftest import SCRIPTS
+from warm_launcher import free_port
 
 TUNED_KEYS = (
     "zero_hpz_partition_size",
@@ -22,12 +22,6 @@ TUNED_KEYS = (
     "stage3_prefetch_bucket_size",
     "stage3_param_persistence_threshold",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SCRIPTS
+from warm_launcher import free_port
 
 from lightning_hpz.callbacks.preemption_checkpoint import next_preemption_checkpoint
 from lightning_hpz.run_exit import PREEMPTED_EXIT_CODE, PreemptionSignals
@@ -61,12 +61,6 @@ def _preempt(processes: list[subprocess.Popen], out: Path, signum: int) -> tuple
     return codes, time.monotonic() - sent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(module_tmp: Path) -> dict:
     results: dict = {}
@@ -109,7 +103,7 @@ def _slurm_run(out: Path) -> tuple[list[int], float]:
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NAME": "hpz-preemption-test",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
     }
     tasks = [

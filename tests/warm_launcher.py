@@ -28,7 +28,8 @@ from pathlib import Path
 FAILURE_GRACE_SECONDS = 15  # as torchrun: once one rank fails, the others get this long before they are killed
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now (for a launch's ``MASTER_PORT``)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -78,7 +79,7 @@ def _launch(request: dict) -> int:
     """In the forked launcher: fork the ranks, wait, stop the rest once one fails; the worst exit code."""
     os.setpgid(0, 0)  # the server kills this group on a timeout: launcher and ranks together
     log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    port = _free_port()
+    port = free_port()
     children = {}
     for rank in range(request["ranks"]):
         pid = os.fork()
