@@ -153,9 +153,12 @@ def _probe_helpers_work(collectives: object) -> bool:
     group = collectives.new_subgroups([[0]])
     try:
         seconds = collectives.timed_all_gather(1 << 20, group)
+        buffers = collectives.gather_buffers(1 << 20, group)  # the probe's repeats re-use theirs
+        again = collectives.timed_all_gather(1 << 20, group, buffers)
+        placed = all(b.device.type == collectives.collective_device(group).type for b in buffers)
     finally:
         collectives.destroy_group(group)
-    return 0 < seconds < 10
+    return 0 < seconds < 10 and 0 < again < 10 and placed
 
 
 def collectives_under_nccl() -> tuple[str, str]:

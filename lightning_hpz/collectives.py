@@ -98,22 +98,32 @@ def destroy_group(group: Optional[Any]) -> None:
         dist.destroy_process_group(group)
 
 
-def timed_all_gather(elements: int, group: Optional[Any] = None) -> float:
-    """Seconds from a world-wide barrier to the end of this rank's all-gather of ``elements`` bytes per rank over
-    ``group`` (device-synced). Every rank of the world calls it at once, each with its own group: the groups start
-    together, so ranks whose groups share a link share it for the whole measurement."""
-    import time
-
+def gather_buffers(elements: int, group: Optional[Any] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A piece of ``elements`` bytes and the output for its all-gather over ``group``, both already written (a fresh
+    host buffer's first-touch page faults are not transfer time), for :func:`timed_all_gather` to re-use."""
     device = collective_device(group)
     piece = torch.zeros(elements, dtype=torch.uint8, device=device)
-    # written before the clock starts: a fresh host buffer's first-touch page faults are not transfer time
-    output = torch.zeros(elements * world_size(group), dtype=torch.uint8, device=device)
+    return piece, torch.zeros(elements * world_size(group), dtype=torch.uint8, device=device)
+
+
+def timed_all_gather(
+    elements: int, group: Optional[Any] = None, buffers: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+) -> float:
+    """Seconds from a world-wide barrier to the end of this rank's all-gather of ``elements`` bytes per rank over
+    ``group`` (device-synced), into ``buffers`` (from :func:`gather_buffers`) or new ones. Every rank of the world
+    calls it at once, each with its own group: the groups start together, so ranks whose groups share a link share it
+    for the whole measurement."""
+    import time
+
+    piece, output = buffers if buffers is not None else gather_buffers(elements, group)
+    if piece.numel() != elements:
+        raise ValueError(f"buffers hold {piece.numel()} bytes per rank, not the {elements} to gather")
     barrier()  # all groups start together: one group alone would find the shared link idle
-    _synchronize(device)
+    _synchronize(piece.device)
     start = time.perf_counter()
     if is_distributed():
         _all_gather_into(output, piece, group)
-    _synchronize(device)
+    _synchronize(piece.device)
     return time.perf_counter() - start
 
 

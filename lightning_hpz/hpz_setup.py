@@ -21,6 +21,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hpz import collectives, partitioning
 from lightning_hpz import config as cfg
+from lightning_hpz.autotune.memory_check import MemoryCheck, check_memory
 from lightning_hpz.autotune.tuner import Autotuner, fixed_settings
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.planning.communication import ClusterLayout
@@ -108,6 +109,9 @@ class HpzSetup:
         self.copy_ordering: Optional[partitioning.CopyOrdering] = None
         self._verify_at_next_step = False
         self.secondary_checks_run = 0
+        self.autotune_memory_check: Optional[MemoryCheck] = None  # the peak through step 1 against the budget
+        self._memory_check_pending = False  # set when a tuned training engine is built, until its check ran
+        self._optimizer_stepped = False  # since that engine was built
         self._load_hook_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     def _load_config(self, config: Any) -> None:
@@ -294,7 +298,7 @@ class HpzSetup:
         if self._autotuner is not None:
             self._apply_autotune(self._autotuner.decide(model, self._layout(), self.config))
 
-        return deepspeed.initialize(
+        built = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._deepspeed_device_rank),
             config=self.config,
             model=model,
@@ -303,6 +307,9 @@ class HpzSetup:
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
         )
+        self._memory_check_pending = self.autotune_decision is not None
+        self._optimizer_stepped = False
+        return built
 
     @property
     def _deepspeed_device_rank(self) -> int:
@@ -327,6 +334,19 @@ class HpzSetup:
         if self.zero_stage_3 and (self.hpz_partition_size or 1) > 1:
             self.refresh_secondary_partitions()
             self._verify_at_next_step = self.verify_after_load
+
+    def _note_optimizer_step(self) -> None:
+        """Call after every optimizer step of the strategy: the memory check waits for this run's first one."""
+        self._optimizer_stepped = True
+
+    def _check_memory_if_due(self) -> None:
+        """Once per engine, at the first step after this run's first optimizer step: the peak against the budget."""
+        if not (self._memory_check_pending and self._optimizer_stepped and self.autotune_decision is not None):
+            return
+        self._memory_check_pending = False
+        # A collective: every rank reaches its first step after an optimizer step together.
+        self.autotune_memory_check = check = check_memory(self.autotune_decision, self.root_device)
+        (rank_zero_info if check.within_budget else rank_zero_warn)(check.message())
 
     def _verify_if_due(self) -> None:
         """Call between forward and backward: forward has just rebuilt the secondaries that backward will read."""

@@ -167,6 +167,13 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
         self._verify_if_due()
+        self._check_memory_if_due()
+        return output
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._note_optimizer_step()
         return output
 
     @override

@@ -44,3 +44,20 @@ def test_fabric_setup_tunes_the_engine(record):
     decision = record["fabric"]["decision"]
     assert decision["hpz_partition_size"] == 1 and decision["source"] == "probe"
     assert math.isfinite(record["fabric"]["loss"])
+
+
+def test_the_peak_through_step_one_is_checked_against_the_budget(record):
+    check = record["trainer"]["memory_check"]  # the default budget: the host's memory
+    assert 0 < check["peak_gib"] < check["budget_gib"]
+    assert check["predicted_gib"] < check["peak_gib"]  # a process holds more than the model's states
+    assert record["fabric"]["memory_check"]["peak_gib"] > 0  # Fabric's loop is checked too
+
+
+def test_a_peak_over_the_budget_warns_with_the_numbers_and_the_fixes(record):
+    small = record["small_budget"]
+    assert small["global_step"] == 2 and not small["within_budget"]
+    assert small["memory_check"]["budget_gib"] == pytest.approx(0.05)
+    assert small["memory_check"]["peak_gib"] > 0.05
+    assert len(small["warnings"]) == 1  # once per run, not every step
+    assert f"{small['memory_check']['peak_gib']:.2f} GiB" in small["warnings"][0]
+    assert "autotune_memory_gib" in small["warnings"][0] and "activation checkpointing" in small["warnings"][0]

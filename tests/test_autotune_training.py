@@ -59,6 +59,15 @@ def test_every_rank_applies_the_same_measured_choice(ranks):
     assert decision["candidate"] in {c["name"] for c in decision["candidates"] if c["fits"]}
 
 
+def test_every_rank_gets_the_busiest_ranks_memory_peak_after_step_one(ranks):
+    for phase in ("tuned", "resumed"):  # a resume checks after its own first step
+        checks = [ranks[r][phase]["memory_check"] for r in range(4)]
+        assert checks[0] is not None and all(c == checks[0] for c in checks)
+        # taken during the run, so at most the largest peak any rank reached by its end
+        assert 0 < checks[0]["peak_gib"] * 2**30 <= max(ranks[r][phase]["own_peak_bytes"] for r in range(4))
+        assert checks[0]["budget_gib"] == ranks[0][phase]["decision"]["memory_budget_gib"]
+
+
 def test_the_engine_is_built_with_the_choice(ranks):
     for r in range(4):
         tuned = ranks[r]["tuned"]

@@ -17,7 +17,7 @@ import time
 import pytest
 from conftest import netns_marks
 
-from lightning_hpz.bench.testbed import TwoNodeTestbed
+from lightning_hpz.bench.testbed import LinkShape, TwoNodeTestbed
 
 pytestmark = netns_marks()
 BENCH = [sys.executable, "-m", "lightning_hpz.cli", "bench"]
@@ -100,3 +100,18 @@ def test_sigterm_mid_run_ends_the_ranks_and_removes_the_testbed(tmp_path):
     assert leftovers == []
     ranks = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True, check=False).stdout
     assert ranks == "", f"ranks still running: {ranks}"
+
+
+def _tcp_buffer_maxima(prefix: list[str]) -> list[int]:
+    keys = ["net.ipv4.tcp_wmem", "net.ipv4.tcp_rmem"]
+    out = subprocess.run([*prefix, "sysctl", "-n", *keys], capture_output=True, text=True, check=True).stdout
+    return [int(line.split()[2]) for line in out.splitlines()]
+
+
+def test_socket_buffers_cover_the_round_trip_of_a_fast_link_inside_the_namespaces_only():
+    host_before = _tcp_buffer_maxima([])
+    with TwoNodeTestbed(LinkShape("2gbit")) as testbed:
+        # 2 Gbit/s over the shaper's 100 ms queue, both ways: 250 MB/s x 2 x 100 ms
+        assert _tcp_buffer_maxima(testbed.exec_prefix(0)) == [50_000_000] * 2
+        assert _tcp_buffer_maxima(testbed.exec_prefix(1)) == [50_000_000] * 2
+        assert _tcp_buffer_maxima([]) == host_before

@@ -154,3 +154,9 @@ def test_results_can_be_rebuilt_from_the_run_records_without_a_testbed(tmp_path,
     assert written["headline"]["hpz_over_zero3_cross_node_bytes"] == pytest.approx(2000 / 3000)
     assert written["loss_agreement"]["all_agree"]
     assert (tmp_path / "results.png").stat().st_size > 0
+
+
+def test_the_tcp_window_a_link_needs_covers_its_queue_and_delay_both_ways():
+    assert testbed.LinkShape("2gbit").round_trip_bytes == 50_000_000  # 250 MB/s x 2 x 100 ms of queue
+    assert testbed.LinkShape("2gbit", latency="5ms").round_trip_bytes == 52_500_000
+    assert testbed.LinkShape("50mbit").round_trip_bytes == 1_250_000  # below Linux's usual maximum: left as it is

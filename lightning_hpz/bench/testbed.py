@@ -23,6 +23,7 @@ _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$", re.IGNORECASE)
 _TIME = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$", re.IGNORECASE)
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+QUEUE_SECONDS = 0.1  # the tbf queue holds this long a backlog before it drops
 
 
 class TestbedUnavailableError(RuntimeError):
@@ -85,6 +86,11 @@ class LinkShape:
     def delay_seconds(self) -> float:
         return parse_delay(self.latency)
 
+    @property
+    def round_trip_bytes(self) -> int:
+        """What the link carries in a round trip with the shaper's queue full both ways: the TCP window it needs."""
+        return int(self.bits_per_second / 8 * 2 * (QUEUE_SECONDS + self.delay_seconds))
+
 
 @dataclass
 class TwoNodeTestbed:
@@ -138,12 +144,24 @@ class TwoNodeTestbed:
             _run(["ip", "-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", dev])
             _run(["ip", "-n", ns, "link", "set", dev, "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])  # intra-node traffic goes over loopback
+            self._size_socket_buffers(ns)
             self._shape_egress(ns, dev)
+
+    def _size_socket_buffers(self, ns: str) -> None:
+        # Gloo sends both ways on one connection, so a sender's ACKs wait behind the other node's data in the shaper's
+        # queue: the round trip grows to the queue's length both ways. A TCP window capped below rate x that round trip
+        # (at 2 Gbit/s Linux's usual 4 MiB cap is a twelfth of it) would slow the link below its rate. The limits are
+        # the namespace's own and go with it.
+        needed = self.shape.round_trip_bytes
+        for key in ("net.ipv4.tcp_wmem", "net.ipv4.tcp_rmem"):
+            low, default, high = _run(["ip", "netns", "exec", ns, "sysctl", "-n", key]).split()
+            if int(high) < needed:
+                _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={low} {default} {needed}"])
 
     def _shape_egress(self, ns: str, dev: str) -> None:
         # The token bucket must hold at least one full frame, and enough for the rate at the kernel's timer tick.
         burst = max(4 * self.shape.mtu, int(self.shape.bits_per_second / 8 / 250))
-        tbf = ["tbf", "rate", self.shape.bandwidth, "burst", str(burst), "latency", "100ms"]
+        tbf = ["tbf", "rate", self.shape.bandwidth, "burst", str(burst), "latency", f"{QUEUE_SECONDS * 1000:g}ms"]
         if self.shape.delay_seconds == 0:
             _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
             return

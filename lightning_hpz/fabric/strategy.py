@@ -74,7 +74,14 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     @override
     def backward(self, tensor: torch.Tensor, module: Optional[torch.nn.Module], *args: Any, **kwargs: Any) -> None:
         self._verify_if_due()
+        self._check_memory_if_due()
         super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        self._note_optimizer_step()
+        return output
 
     @override
     def load_checkpoint(

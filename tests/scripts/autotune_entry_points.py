@@ -2,6 +2,7 @@
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -9,6 +10,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_hpz  # noqa: F401 - registers "hpz_auto"
+from lightning_hpz import HpzStrategy
 
 TRAINER_ARGS = dict(
     accelerator="cpu", devices=1, max_steps=2, limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2,
@@ -35,10 +37,26 @@ def trainer_entry_points() -> dict:
     decision = trainer.strategy.autotune_decision
     return {
         "fit_decision": decision.to_dict(),
+        "memory_check": vars(trainer.strategy.autotune_memory_check),
         "preset_name": trainer.strategy.preset_name,
         "validate": trainer.validate(model, verbose=False),
         "test": trainer.test(model, verbose=False),
         "predict_batches": len(trainer.predict(model)),
+    }
+
+
+def budget_too_small() -> dict:
+    """A budget every candidate fits on paper, but that the process itself already exceeds: a warning after step 1."""
+    trainer = L.Trainer(strategy=HpzStrategy(stage=3, autotune=True, autotune_memory_gib=0.05), **TRAINER_ARGS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(BoringModel())
+    check = trainer.strategy.autotune_memory_check
+    return {
+        "memory_check": vars(check),
+        "within_budget": check.within_budget,
+        "warnings": [str(w.message) for w in caught if "peaked" in str(w.message)],
+        "global_step": trainer.global_step,
     }
 
 
@@ -59,12 +77,18 @@ def fabric_loop() -> dict:
         optimizer.step()
         optimizer.zero_grad()
     decision = fabric.strategy.autotune_decision.to_dict()
+    memory_check = vars(fabric.strategy.autotune_memory_check)
     fabric.strategy.teardown()
-    return {"decision": decision, "loss": float(loss)}
+    return {"decision": decision, "loss": float(loss), "memory_check": memory_check}
 
 
 def main(options: dict) -> None:
-    record = {"trainer": trainer_entry_points(), "configure_model": configure_model_module(), "fabric": fabric_loop()}
+    record = {
+        "trainer": trainer_entry_points(),
+        "small_budget": budget_too_small(),
+        "configure_model": configure_model_module(),
+        "fabric": fabric_loop(),
+    }
     out = Path(options["out"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "rank0.json").write_text(json.dumps(record))

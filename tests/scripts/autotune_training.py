@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_hpz
+from lightning_hpz.autotune.memory_check import peak_memory_bytes
 
 ENGINE_FIELDS = {
     "zero_hpz_partition_size": "zero_hpz_partition_size",
@@ -36,6 +38,8 @@ def fit(out: Path, max_steps: int, ckpt_path=None, **strategy_kwargs) -> tuple[L
         "strategy_config": {k: strategy.config["zero_optimization"].get(k) for k in ENGINE_FIELDS},
         "engine_config": {k: int(getattr(zero_config, field)) for k, field in ENGINE_FIELDS.items()},
         "global_step": trainer.global_step,
+        "memory_check": vars(strategy.autotune_memory_check) if strategy.autotune_memory_check else None,
+        "own_peak_bytes": peak_memory_bytes(torch.device("cpu")),
     }
     return trainer, record
 
