@@ -148,10 +148,10 @@ class TwoNodeTestbed:
             self._shape_egress(ns, dev)
 
     def _size_socket_buffers(self, ns: str) -> None:
-        # Gloo sends both ways on one connection, so a sender's ACKs wait behind the other node's data in the shaper's
-        # queue: the round trip grows to the queue's length both ways. A TCP window capped below rate x that round trip
-        # (at 2 Gbit/s Linux's usual 4 MiB cap is a twelfth of it) would slow the link below its rate. The limits are
-        # the namespace's own and go with it.
+        # Gloo sends both ways on one connection, so a sender's ACKs can wait behind the other node's data in the
+        # shaper's queue, and --latency adds its delay both ways. A TCP window capped below rate x that round trip
+        # (at 2 Gbit/s Linux's usual 4 MiB cap is a twelfth of it) can hold a flow below the link's rate. The limits
+        # are the namespace's own and go with it.
         needed = self.shape.round_trip_bytes
         for key in ("net.ipv4.tcp_wmem", "net.ipv4.tcp_rmem"):
             low, default, high = _run(["ip", "netns", "exec", ns, "sysctl", "-n", key]).split()
