@@ -92,7 +92,7 @@ def _sized_for_target(size: int, seconds: float) -> int:
     # Scaled to take about TARGET_SECONDS at the rate just seen, rather than the next doubling's 1-2x of it: the
     # repeats then take a predictable time, and every run times transfers of about the same length.
     scaled = int(size * TARGET_SECONDS / max(seconds, 1e-9)) // PAGE_BYTES * PAGE_BYTES
-    return max(PAGE_BYTES, min(MAX_BYTES, max(size, scaled)))
+    return min(MAX_BYTES, max(size, scaled))  # never below the size measured, which is at least START_BYTES
 
 
 def _time_alternately(links: list[_Link]) -> None:

@@ -7,7 +7,6 @@ this check says so after step 1, with the numbers, instead of an out-of-memory e
 
 from __future__ import annotations
 
-import resource
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,6 +15,7 @@ import torch
 from lightning_hpz import collectives
 from lightning_hpz.planning.tuning import GIB, MEMORY_HEADROOM
 from lightning_hpz.planning.tuning_decision import TuningDecision
+from lightning_hpz.process_memory import max_rss_bytes
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def peak_memory_bytes(device: torch.device) -> float:
     """This process's peak memory so far: what the CUDA allocator reserved, or on CPU the peak resident set."""
     if device.type == "cuda":
         return float(torch.cuda.max_memory_reserved(device))
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+    return float(max_rss_bytes())
 
 
 def check_memory(decision: TuningDecision, device: torch.device, own_peak_bytes: Optional[float] = None) -> MemoryCheck:

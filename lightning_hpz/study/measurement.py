@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
-import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -28,6 +26,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_hpz.callbacks.batch_tokens import _detect_batch_tokens
 from lightning_hpz.callbacks.model_flops import shape_from_config, training_flops
+from lightning_hpz.process_memory import max_rss_bytes
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -40,11 +39,6 @@ def _status_bytes(field: str) -> Optional[int]:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024  # reported in kB
     return None
-
-
-def _max_rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 def _release_free_heap() -> None:
@@ -80,14 +74,14 @@ class MemoryProbe:
         if _reset_high_water_mark():
             self.method, self.baseline = "rss_high_water_mark", _status_bytes("VmRSS") or 0
         else:  # the peak may then predate the baseline; the increment is then a lower bound
-            self.method, self.baseline = "ru_maxrss", _max_rss_bytes()
+            self.method, self.baseline = "ru_maxrss", max_rss_bytes()
 
     def peak(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         if self.method == "rss_high_water_mark":
             return _status_bytes("VmHWM") or 0
-        return _max_rss_bytes()
+        return max_rss_bytes()
 
     def settled(self) -> int:
         if self.device.type == "cuda":
