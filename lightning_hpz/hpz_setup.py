@@ -54,7 +54,9 @@ class HpzSetup:
             log; ``strategy.autotune_decision``). A resume re-uses the choice recorded in the checkpoint;
             ``"retune"`` measures anew. Stage 3 only. Default False.
         autotune_memory_gib: the memory budget per rank the tuner's choice must fit (80% of it; the rest is left for
-            activations). Default: the device's memory (CPU: the host's, shared by the node's ranks).
+            activations). Default: the device's memory (CPU: the host's, shared by the node's ranks). After the
+            first optimizer step the real peak is compared with it, logged, and warned about when above it
+            (``strategy.autotune_memory_check``).
         autotune_checkpoint: the checkpoint whose recorded choice to re-use (the Trainer finds the one it resumes
             itself; Fabric users pass the directory given to ``fabric.load``).
         config: a DeepSpeed config dict or JSON path (default: the file named by ``PL_DEEPSPEED_CONFIG_PATH``, as in
