@@ -1,20 +1,21 @@
 """lightning_hpz: ZeRO with stabilized hierarchical partitioning (hpZ) as ``strategy="hpz"`` for Trainer and Fabric.
 
 Importing the package is cheap (no torch, Lightning or DeepSpeed): the public names load on first use, and the
-strategy names are registered with Lightning as soon as Lightning is imported (:mod:`lightning_hpz.registration`).
+strategy names are registered with Lightning as soon as Lightning is imported
+(:mod:`lightning_hpz.strategy.registration`).
 """
 
 from lightning_hpz.lazy_names import lazy_names
-from lightning_hpz.registration import register_when_lightning_is_imported
-from lightning_hpz.strategy_presets import STRATEGY_PRESETS
+from lightning_hpz.strategy.presets import STRATEGY_PRESETS
+from lightning_hpz.strategy.registration import register_when_lightning_is_imported
 
 __version__ = "0.1.0"
 
 # public name -> the module that defines it, imported on first access
 _LAZY_ATTRIBUTES = {
-    "HpzConfigurationError": "config",
-    "HpzFabricStrategy": "fabric",
-    "HpzStrategy": "strategy",
+    "HpzConfigurationError": "strategy.config",
+    "HpzFabricStrategy": "strategy.fabric_strategy",
+    "HpzStrategy": "strategy.trainer_strategy",
     "SecondaryPartitionMismatchError": "partitioning",
     "check_secondary_partitions": "partitioning",
     "refresh_secondary_partitions": "partitioning",

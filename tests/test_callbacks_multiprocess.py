@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import run_script
 
+from lightning_hpz.lifecycle.run_exit import UNSTABLE_EXIT_CODE
 from lightning_hpz.planning import ClusterLayout, ZeroSetup, traffic_per_step
-from lightning_hpz.run_exit import UNSTABLE_EXIT_CODE
 
 pytestmark = pytest.mark.multiprocess
 SCRIPT = "callback_training.py"

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_hpz.callbacks import LossStabilityMonitor, TokenThroughputMonitor
 from lightning_hpz.callbacks.model_flops import shape_from_config, training_flops
-from lightning_hpz.run_exit import UNSTABLE_EXIT_CODE, TrainingStopped
+from lightning_hpz.lifecycle.run_exit import UNSTABLE_EXIT_CODE, TrainingStopped
 
 VOCAB, SEQ = 96, 12
 

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_hpz.checkpoint import consolidate
 from lightning_hpz.checkpointing import (
     CheckpointIntegrityError,
     CheckpointMismatchError,
@@ -16,6 +15,7 @@ from lightning_hpz.checkpointing import (
 )
 from lightning_hpz.checkpointing.commit import committed_save, staging_path
 from lightning_hpz.checkpointing.compatibility import mismatches
+from lightning_hpz.checkpointing.consolidate import consolidate
 from lightning_hpz.checkpointing.inspect_command import checkpoint_main
 from lightning_hpz.checkpointing.manifest import file_digest, verify_files
 from lightning_hpz.checkpointing.resume import refuse_mismatches

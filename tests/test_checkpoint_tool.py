@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_hpz.checkpoint import CheckpointNotFoundError, consolidate_main
+from lightning_hpz.checkpointing.consolidate import CheckpointNotFoundError, consolidate_main
 
 
 def test_missing_checkpoint(tmp_path):

@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import run_script
 
-from lightning_hpz.checkpoint import consolidate
 from lightning_hpz.checkpointing import read_manifest
+from lightning_hpz.checkpointing.consolidate import consolidate
 from lightning_hpz.checkpointing.manifest import file_digest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

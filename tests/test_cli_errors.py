@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lightning_hpz.cli import main
-from lightning_hpz.cli_errors import union_failure_reasons
+from lightning_hpz.cli.errors import union_failure_reasons
 
 # main(argv) is called in-process here, which is what that warning is about; the command line itself does not warn
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")

@@ -15,13 +15,13 @@ def _heavy_modules_after(code: str) -> list[str]:
 
 
 def test_help_strategies_and_presets_import_nothing_heavy():
-    code = "from lightning_hpz.cli import main\nmain(['--help'])\nmain(['strategies'])\nmain(['presets'])"
+    code = "from lightning_hpz.cli.main import main\nmain(['--help'])\nmain(['strategies'])\nmain(['presets'])"
     assert _heavy_modules_after(code) == []
 
 
 def test_tool_help_imports_nothing_heavy():
     code = (
-        "from lightning_hpz.cli import main\n"
+        "from lightning_hpz.cli.main import main\n"
         "for tool in ('bench', 'plan', 'export', 'consolidate'):\n"
         "    try:\n        main([tool, '--help'])\n    except SystemExit as done:\n        assert not done.code"
     )

@@ -9,8 +9,8 @@ from lightning.fabric.utilities.types import _Stateful
 from torch.utils.data import Dataset
 
 from lightning_hpz.data import ResumableBatches
-from lightning_hpz.data.epoch_permutation import EpochPermutation
-from lightning_hpz.data.resumable_batches import RankShare
+from lightning_hpz.exact_resume.epoch_permutation import EpochPermutation
+from lightning_hpz.exact_resume.resumable_batches import RankShare
 
 
 @pytest.mark.parametrize("size", [1, 2, 7, 64, 1000, 4099])

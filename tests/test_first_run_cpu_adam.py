@@ -11,7 +11,7 @@ import pytest
 
 import lightning_hpz  # noqa: F401 - registers the strategy names
 from lightning_hpz import partitioning
-from lightning_hpz.op_build_launcher import OpsBuiltFirstLauncher
+from lightning_hpz.lifecycle.op_build_launcher import OpsBuiltFirstLauncher
 from lightning_hpz.partitioning import cpu_adam_op, extension_build
 
 OP = cpu_adam_op.OP_NAME

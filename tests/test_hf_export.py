@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lightning_hpz.checkpointing.hf_export import ExportError, export_checkpoint
 from lightning_hpz.data.tokenizers import ByteTokenizer
-from lightning_hpz.hf_export import ExportError, export_checkpoint
 
 
 def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -61,6 +61,6 @@ def test_auto_classes_load_and_generate(trained):
 
 
 def test_checkpoint_without_a_recorded_config_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr("lightning_hpz.hf_export._consolidated", lambda path: {"state_dict": {}})
+    monkeypatch.setattr("lightning_hpz.checkpointing.hf_export._consolidated", lambda path: {"state_dict": {}})
     with pytest.raises(ExportError, match=r"not written by a lightning_hpz LanguageModel.*lightning-hpz consolidate"):
         export_checkpoint(tmp_path, tmp_path / "out")

@@ -26,8 +26,8 @@ def fresh_process():
 
 
 def test_every_module_can_be_the_first_one_imported():
-    # `from lightning_hpz.data_order import ...` as a script's first line once failed: the module imported Lightning,
-    # whose registration hook imported the strategy, which imported the half-run module back
+    # `from lightning_hpz.exact_resume.data_order import ...` as a script's first line once failed: the module
+    # imported Lightning, whose registration hook imported the strategy, which imported the half-run module back
     completed = subprocess.run(
         [sys.executable, str(SCRIPTS / "import_each_module_first.py")],
         capture_output=True,
@@ -36,7 +36,7 @@ def test_every_module_can_be_the_first_one_imported():
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout.strip().splitlines()[-1])
-    assert "lightning_hpz.data_order" in result["modules"] and len(result["modules"]) > 50
+    assert "lightning_hpz.exact_resume.data_order" in result["modules"] and len(result["modules"]) > 50
     assert result["failures"] == {}, "\n".join(f"{name}:\n{error}" for name, error in result["failures"].items())
 
 

@@ -15,8 +15,8 @@ import pytest
 from conftest import SCRIPTS
 from warm_launcher import free_port
 
-from lightning_hpz.callbacks.preemption_checkpoint import next_preemption_checkpoint
-from lightning_hpz.run_exit import PREEMPTED_EXIT_CODE, PreemptionSignals
+from lightning_hpz.lifecycle.preemption_checkpoint import next_preemption_checkpoint
+from lightning_hpz.lifecycle.run_exit import PREEMPTED_EXIT_CODE, PreemptionSignals
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -7,7 +7,7 @@ import threading
 
 import torch.distributed as dist
 
-from lightning_hpz.rank_failure import kill_stuck_children, left_collectives_key
+from lightning_hpz.lifecycle.rank_failure import kill_stuck_children, left_collectives_key
 
 
 def _child(seconds: float) -> subprocess.Popen:

@@ -7,9 +7,9 @@ import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from lightning_hpz.data_order import DataOrderError, check_resumed_order, order_record, saved_order
-from lightning_hpz.epoch_end_checkpoint import complete_epoch_saved_at_epoch_end
-from lightning_hpz.random_layers import active_dropout_layers, warn_if_resume_draws_random_numbers
+from lightning_hpz.exact_resume.data_order import DataOrderError, check_resumed_order, order_record, saved_order
+from lightning_hpz.exact_resume.epoch_end_checkpoint import complete_epoch_saved_at_epoch_end
+from lightning_hpz.exact_resume.random_layers import active_dropout_layers, warn_if_resume_draws_random_numbers
 
 
 class LoopStates(L.Callback):

@@ -16,9 +16,9 @@ from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from lightning_hpz.cli import refuse_run_that_trained_nothing
+from lightning_hpz.cli.main import refuse_run_that_trained_nothing
+from lightning_hpz.lifecycle.run_exit import NOTHING_TRAINED_EXIT_CODE
 from lightning_hpz.models import TrainingSummary
-from lightning_hpz.run_exit import NOTHING_TRAINED_EXIT_CODE
 
 
 class FailingModel(BoringModel):

@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_hpz
 from lightning_hpz import HpzStrategy
-from lightning_hpz.config import merge_configs
+from lightning_hpz.strategy.config import merge_configs
 
 
 def _trainer(strategy, devices=4, num_nodes=1):
@@ -72,8 +72,8 @@ def test_every_preset_is_registered_with_a_description():
 def test_importing_again_does_not_fail():
     # in a fresh interpreter, so that reloading does not swap classes under the other tests
     code = (
-        "import importlib, lightning_hpz, lightning_hpz.strategy\n"
-        "importlib.reload(lightning_hpz.strategy); importlib.reload(lightning_hpz)\n"
+        "import importlib, lightning_hpz, lightning_hpz.strategy.trainer_strategy\n"
+        "importlib.reload(lightning_hpz.strategy.trainer_strategy); importlib.reload(lightning_hpz)\n"
         "from lightning.pytorch.strategies import StrategyRegistry\n"
         "print('hpz' in StrategyRegistry)"
     )

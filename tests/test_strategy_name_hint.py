@@ -5,7 +5,7 @@ import pytest
 from lightning.fabric import Fabric
 
 import lightning_hpz  # noqa: F401 - registers the names, and the hint with them
-from lightning_hpz.strategy_name_hint import closest_package_name
+from lightning_hpz.strategy.name_hint import closest_package_name
 
 
 def test_trainer_suggests_the_closest_package_name():

@@ -91,7 +91,7 @@ def test_stages_1_and_2_train_and_agree(stage12_runs, stage3_runs):
 def test_consolidated_checkpoints_hold_identical_weights(stage3_runs, module_tmp, plain_zero3_toy):
     import torch
 
-    from lightning_hpz.checkpoint import consolidate
+    from lightning_hpz.checkpointing.consolidate import consolidate
 
     states = {}
     run_dirs = {1: plain_zero3_toy[1], 2: module_tmp / "hpz2", 4: module_tmp / "hpz4"}

@@ -14,11 +14,12 @@ import pytest
 import yaml
 
 from lightning_hpz.planning import ClusterLayout, ZeroSetup, memory_per_rank
+from lightning_hpz.study.analysis import best_by_size, memory_slope
 from lightning_hpz.study.cell_runner import FAILED, OK, CellRun
 from lightning_hpz.study.command import run_study, study_main
 from lightning_hpz.study.grid import expand_grid
 from lightning_hpz.study.prediction import predicted_memory
-from lightning_hpz.study.report import best_by_size, memory_slope, write_report
+from lightning_hpz.study.report import write_report
 from lightning_hpz.study.results_log import RESULTS_FILE, StudyResumeError, read_results
 from lightning_hpz.study.study_config import StudyConfigError, load_study_config, parse_study_config
 
@@ -258,7 +259,7 @@ def test_prediction_moves_offloaded_states_to_the_host_on_gpu_only():
 
 # ------------------------------------------------------------------------------------------------- imports
 DRIVER_MODULES = ("command", "study_config", "grid", "cell_strategy", "cell_runner", "cell_summary", "prediction",
-                  "results_log", "report", "plots")  # fmt: skip
+                  "results_log", "report", "plots", "analysis")  # fmt: skip
 HEAVY = ("torch", "lightning", "deepspeed", "transformers", "matplotlib", "lightning_hpz.models", "lightning_hpz.data")
 
 

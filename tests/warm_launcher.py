@@ -134,7 +134,7 @@ def serve() -> None:
     import torch  # noqa: F401
 
     import lightning_hpz
-    import lightning_hpz.strategy  # noqa: F401
+    import lightning_hpz.strategy.trainer_strategy  # noqa: F401
     from lightning_hpz.partitioning.cpu_comm_op import prepare_cpu_comm_op
 
     prepare_cpu_comm_op()  # built once here (as Lightning's launcher does) rather than by every rank at once

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +11,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_hpz.bench.testbed import TwoNodeTestbed
+from lightning_hpz.lifecycle.launched_ranks import (
+    child_environment,
+    clear_rank_records,
+    end_process_group,
+    read_rank_records,
+)
 
 
 class ConfigurationFailedError(RuntimeError):
@@ -49,22 +52,19 @@ def torchrun_command(testbed: TwoNodeTestbed, node: int, devices: int, port: int
 
 
 def node_environment(testbed: TwoNodeTestbed, node: int) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("MASTER_", "TORCHELASTIC_"))}
+    env = child_environment()
     env.update(
         GLOO_SOCKET_IFNAME=testbed.interface(node),  # gloo binds here; same-node peers then meet over loopback
         OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
         LIGHTNING_HPZ_EMULATE_ASYNC_COPY="0",
         DS_ACCELERATOR="cpu",  # the benchmark trains on CPU processes, also on a machine with a GPU
     )
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        env.pop(key, None)
     return env
 
 
 def run_configuration(launch: Launch, spec: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
     """Train one configuration on both nodes; return every rank's record, ordered by rank."""
-    _clear_records(run_dir)
+    clear_rank_records(run_dir)
     run_ranks(launch, spec, run_dir)
     return read_records(run_dir, 2 * launch.devices_per_node, run_dir / "log.txt")
 
@@ -80,7 +80,7 @@ def run_sequence(
     """
     outs = [Path(entry["out"]) for entry in spec["runs"]]
     for out in outs:
-        _clear_records(out)
+        clear_rank_records(out)
     error = None
     try:
         run_ranks(launch, spec, run_dir)
@@ -116,21 +116,15 @@ def run_ranks(launch: Launch, spec: dict[str, Any], run_dir: Path) -> None:
             _wait(agents, launch.timeout_s, log_path)
         finally:
             for agent in agents:
-                _end_group(agent)
+                end_process_group(agent)
 
 
 def read_records(out: Path, expected: int, log_path: Path) -> list[dict[str, Any]]:
     """Every rank's record in ``out``, ordered by rank; refuses a folder where a rank wrote none."""
-    records = [json.loads(p.read_text()) for p in out.glob("rank*.json")]
+    records = read_rank_records(out)
     if len(records) != expected:
         raise ConfigurationFailedError(f"{len(records)} of {expected} ranks wrote results; see {log_path}.")
-    return sorted(records, key=lambda record: record["rank"])
-
-
-def _clear_records(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("rank*.json"):
-        stale.unlink()
+    return records
 
 
 def _wait(agents: list[subprocess.Popen], timeout_s: float, log_path: Path) -> None:
@@ -143,22 +137,3 @@ def _wait(agents: list[subprocess.Popen], timeout_s: float, log_path: Path) -> N
             return
         time.sleep(0.5)
     raise ConfigurationFailedError(f"did not finish within {timeout_s:.0f} s; see {log_path}.")
-
-
-def _end_group(agent: subprocess.Popen) -> None:
-    """End the agent and every rank it started (they share its process group); nothing to do after a clean exit."""
-    if agent.poll() == 0:
-        return
-    if agent.poll() is None:
-        _signal_group(agent.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            agent.wait(timeout=10)
-    # Ranks can outlive a failed agent; they keep its process group, whose id is the agent's pid.
-    _signal_group(agent.pid, signal.SIGKILL)
-    if agent.poll() is None:
-        agent.wait(timeout=10)
-
-
-def _signal_group(group: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(group, sig)

@@ -27,7 +27,7 @@ from lightning_hpz.bench.workload import Workload, build_model, rank_loader, tok
 def strategy_deepspeed_config(configuration: BenchConfiguration, workload: Workload, devices: int) -> dict[str, Any]:
     """The DeepSpeed config a Trainer with ``HpzStrategy(**configuration.strategy_kwargs(devices))`` ends up with."""
     from lightning_hpz import HpzStrategy
-    from lightning_hpz import config as cfg
+    from lightning_hpz.strategy import config as cfg
 
     kwargs = configuration.strategy_kwargs(devices)
     strategy = HpzStrategy(**{**kwargs, "hpz_sync": "event"})

@@ -23,7 +23,7 @@ from lightning_hpz.callbacks.stability_detection import (
     _decide,
 )
 from lightning_hpz.callbacks.stability_report import plot_loss_curve, stability_summary, write_summary
-from lightning_hpz.run_exit import TrainingStopped
+from lightning_hpz.lifecycle.run_exit import TrainingStopped
 
 
 class UpdateNotSkippedError(RuntimeError):

@@ -31,7 +31,7 @@ def checkpoint_main(argv: Sequence[str]) -> None:
 
 def inspect_checkpoint(checkpoint_dir: Path, checksums: bool = True) -> tuple[list[str], bool]:
     """Lines describing ``checkpoint_dir``, and whether every file matches its manifest."""
-    from lightning_hpz.checkpoint import validate_checkpoint_dir
+    from lightning_hpz.checkpointing.consolidate import validate_checkpoint_dir
 
     checkpoint_dir = validate_checkpoint_dir(checkpoint_dir)
     recorded = manifest.read_manifest(checkpoint_dir)

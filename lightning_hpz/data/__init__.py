@@ -5,10 +5,10 @@ from lightning_hpz.data.corpus import CorpusError, default_corpus, iter_document
 from lightning_hpz.data.packing import SequenceTooLongError, pack_tokens
 from lightning_hpz.data.preparation import prepare_corpus
 from lightning_hpz.data.prepared_shards import PreparedDataError, PreparedShards
-from lightning_hpz.data.resumable_batches import ResumableBatches
 from lightning_hpz.data.span_corruption import corrupt_spans, raw_length_for, span_layout
 from lightning_hpz.data.span_corruption_datamodule import SpanCorruptionDataModule
 from lightning_hpz.data.tokenizers import ByteTokenizer, HuggingFaceTokenizer, TokenizerNotFoundError, load_tokenizer
+from lightning_hpz.exact_resume.resumable_batches import ResumableBatches
 
 __all__ = [
     "ByteTokenizer",

@@ -18,9 +18,9 @@ from lightning_hpz.data.prepared_shards import (
     is_unfinished,
     read_manifest,
 )
-from lightning_hpz.data.resumable_batches import RankShare, ResumableBatches
 from lightning_hpz.data.token_cache import cache_directory, prepare_into_cache
 from lightning_hpz.data.tokenizers import Tokenizer, load_tokenizer
+from lightning_hpz.exact_resume.resumable_batches import RankShare, ResumableBatches
 
 DEFAULT_CACHE_DIR = ".cache/lightning_hpz/tokens"
 

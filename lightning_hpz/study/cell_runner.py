@@ -8,9 +8,7 @@ crashed cell survives into the next one.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_hpz.lifecycle.launched_ranks import (
+    child_environment,
+    clear_rank_records,
+    end_process_group,
+    read_rank_records,
+)
 from lightning_hpz.study.study_config import SPEC_PLACEHOLDER, StudyConfig
 
 WORKER_MODULE = "lightning_hpz.study.worker"
@@ -52,10 +56,7 @@ def cell_command(config: StudyConfig, spec_path: Path) -> list[str]:
 
 def cell_environment(config: StudyConfig) -> dict[str, str]:
     """This process's environment without another launcher's rendezvous settings, plus the config's ``env``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "TORCHELASTIC_"))}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        env.pop(key, None)
-    env["PYTHONUNBUFFERED"] = "1"
+    env = child_environment()
     if config.accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"  # also on a machine that has a GPU
     env.update(config.env)
@@ -69,9 +70,7 @@ class SubprocessCellRunner:
         self.config = config
 
     def __call__(self, spec: dict[str, Any], cell_dir: Path) -> CellRun:
-        cell_dir.mkdir(parents=True, exist_ok=True)
-        for stale in cell_dir.glob("rank*.json"):
-            stale.unlink()
+        clear_rank_records(cell_dir)
         spec_path = cell_dir / "spec.json"
         spec_path.write_text(json.dumps(spec, indent=1))
         log_path = cell_dir / "log.txt"
@@ -98,7 +97,7 @@ class SubprocessCellRunner:
 
 def classify(returncode: Optional[int], cell_dir: Path, expected_ranks: int, log_path: Path) -> CellRun:
     """The outcome from the exit code (``None``: timed out) and the records the ranks wrote."""
-    ranks = sorted((json.loads(p.read_text()) for p in cell_dir.glob("rank*[0-9].json")), key=lambda r: r["rank"])
+    ranks = read_rank_records(cell_dir)
     errors = [json.loads(p.read_text()) for p in sorted(cell_dir.glob("rank*.error.json"))]
     log = str(log_path)
     if returncode is None:
@@ -127,61 +126,3 @@ def _rank_killed(log_path: Path) -> bool:
 def _tail(log_path: Path, lines: int = 3) -> str:
     text = log_path.read_text(errors="replace").strip().splitlines() if log_path.exists() else []
     return " | ".join(text[-lines:])[-500:]
-
-
-def end_process_group(process: subprocess.Popen, grace_s: float = 60.0) -> None:
-    """End every process of the cell's group: the command and any rank it started.
-
-    After a clean exit of the command the other ranks may still be writing their records: they get ``grace_s``.
-    """
-    descendants = _descendants(process.pid)  # torchrun starts each rank in a process group of its own
-    if process.poll() is None:
-        _signal_group(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=10)
-    for pid in descendants:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + (grace_s if process.poll() == 0 else 10.0)
-    while _group_alive(process.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    _signal_group(process.pid, signal.SIGKILL)
-    if process.poll() is None:
-        process.wait(timeout=10)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux /proc; none elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, queue = [], [pid]
-    while queue:
-        for child in children.get(queue.pop(), []):
-            found.append(child)
-            queue.append(child)
-    return found
-
-
-def _group_alive(group: int) -> bool:
-    """Whether a process of ``group`` still runs (zombies, which no reaper may collect here, do not count)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(group, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    for stat in proc.glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
-            if int(fields[2]) == group and fields[0] != "Z":
-                return True
-    return False
-
-
-def _signal_group(group: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(group, sig)

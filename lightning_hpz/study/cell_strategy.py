@@ -1,11 +1,11 @@
-"""What a grid's strategy name means: the registered :data:`~lightning_hpz.strategy_presets.STRATEGY_PRESETS` entry
+"""What a grid's strategy name means: the registered :data:`~lightning_hpz.strategy.presets.STRATEGY_PRESETS` entry
 it is, its ZeRO stage, whether it uses hpZ, and what it offloads to host memory."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_hpz.strategy_presets import STRATEGY_PRESETS  # plain data: no torch or Lightning import
+from lightning_hpz.strategy.presets import STRATEGY_PRESETS  # plain data: no torch or Lightning import
 
 
 def _presets() -> dict[str, dict[str, Any]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_hpz.study.report import MIB, best_by_size, series
+from lightning_hpz.study.analysis import MIB, best_by_size, series
 
 MEMORY_PLOT, THROUGHPUT_PLOT, BEST_PLOT = "memory_per_rank.png", "throughput.png", "best_strategy.png"
 

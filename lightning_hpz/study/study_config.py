@@ -3,7 +3,7 @@
 Every mistake (unknown key, preset, strategy or precision; an empty grid axis; an hpZ size that does not divide the
 devices per node; steps that leave nothing to measure) raises :class:`StudyConfigError` naming the problem and the fix.
 Model presets and strategy names are looked up in :mod:`lightning_hpz.models.presets` and
-:data:`lightning_hpz.strategy_presets.STRATEGY_PRESETS`, imported only while validating.
+:data:`lightning_hpz.strategy.presets.STRATEGY_PRESETS`, imported only while validating.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from torch.utils.data import Dataset, default_collate
 
-from lightning_hpz.data.epoch_permutation import EpochPermutation
+from lightning_hpz.exact_resume.epoch_permutation import EpochPermutation
 
 
 class RankShare:

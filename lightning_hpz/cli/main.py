@@ -16,9 +16,9 @@ if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
 TOOLS: dict[str, tuple[str, str, str]] = {
-    "strategies": ("lightning_hpz.cli", "print_strategies", "list the strategy names registered by lightning_hpz"),
+    "strategies": ("lightning_hpz.cli.main", "print_strategies", "list the strategy names registered by lightning_hpz"),
     "consolidate": (
-        "lightning_hpz.checkpoint",
+        "lightning_hpz.checkpointing.consolidate",
         "consolidate_main",
         "merge a sharded DeepSpeed checkpoint into one fp32 state-dict file",
     ),
@@ -28,7 +28,7 @@ TOOLS: dict[str, tuple[str, str, str]] = {
         "inspect a sharded checkpoint: stage, world size, step, integrity manifest, sizes",
     ),
     "export": (
-        "lightning_hpz.hf_export",
+        "lightning_hpz.checkpointing.hf_export",
         "export_main",
         "write a training checkpoint as a Hugging Face model directory with its tokenizer",
     ),
@@ -48,7 +48,7 @@ TOOLS: dict[str, tuple[str, str, str]] = {
         "tokenize a corpus once, in parallel, into memory-mapped token shards that training reads directly",
     ),
     "plan": (
-        "lightning_hpz.planning.plan_command",
+        "lightning_hpz.cli.plan_command",
         "plan_main",
         "predict bytes, communication time and memory per rank for each ZeRO stage, hpZ and ZeRO++",
     ),
@@ -80,11 +80,11 @@ def usage() -> str:
 def run_lightning_cli(argv: Sequence[str]) -> None:
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_hpz.registration import register_now
+    from lightning_hpz.strategy.registration import register_now
 
     register_now()  # "hpz" and friends, before the Trainer parses `strategy:`
 
-    from lightning_hpz.cli_errors import user_facing_message
+    from lightning_hpz.cli.errors import user_facing_message
 
     try:
         cli = LightningCLI(
@@ -105,7 +105,7 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
 
 def refuse_run_that_trained_nothing(trainer: Trainer) -> None:
     """A fit that ran no optimizer step although steps were asked for ends non-zero, saying why."""
-    from lightning_hpz.run_exit import NOTHING_TRAINED_EXIT_CODE, exit_code_for_rank
+    from lightning_hpz.lifecycle.run_exit import NOTHING_TRAINED_EXIT_CODE, exit_code_for_rank
 
     if trainer.global_step > 0 or 0 in (trainer.max_steps, trainer.max_epochs, trainer.limit_train_batches):
         return
@@ -121,12 +121,8 @@ def refuse_run_that_trained_nothing(trainer: Trainer) -> None:
 
 def print_strategies(argv: Sequence[str] = ()) -> None:
     """Print each strategy name lightning_hpz registers, with its description."""
-    from lightning_hpz.strategy_presets import STRATEGY_PRESETS
+    from lightning_hpz.strategy.presets import STRATEGY_PRESETS
 
     width = max(len(name) for name, _, _ in STRATEGY_PRESETS)
     for name, description, _ in STRATEGY_PRESETS:
         print(f"{name:<{width}}  {description}")
-
-
-if __name__ == "__main__":
-    main()

@@ -14,7 +14,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any, Optional
 
-from lightning_hpz.strategy_presets import STRATEGY_PRESETS
+from lightning_hpz.strategy.presets import STRATEGY_PRESETS
 
 # Lightning internals: the connectors that validate `strategy=` (Trainer, Fabric) and the method that does it.
 CONNECTORS = (

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from lightning_hpz.data_order import order_record
+from lightning_hpz.exact_resume.data_order import order_record
 
 
 class ResumableLoader:
@@ -43,7 +43,7 @@ class ResumableLoader:
         return iterator
 
     def state_dict(self) -> dict[str, Any]:
-        # the order record lets a resume check that its sampler repeats this run's order (lightning_hpz.data_order)
+        # the order record lets a resume check that its sampler repeats this run's order (exact_resume.data_order)
         return {"batches_consumed": int(self._batches_consumed()), "order": order_record(self.loader)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -39,7 +39,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer
 
 
 def _consolidated(checkpoint_dir: str | Path) -> dict[str, Any]:
-    from lightning_hpz.checkpoint import consolidate
+    from lightning_hpz.checkpointing.consolidate import consolidate
 
     with tempfile.TemporaryDirectory() as scratch:
         return consolidate(checkpoint_dir, Path(scratch) / "consolidated.ckpt")

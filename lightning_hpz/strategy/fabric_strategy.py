@@ -10,13 +10,13 @@ from lightning.fabric.utilities.seed import reset_seed
 from typing_extensions import override
 
 from lightning_hpz import partitioning
-from lightning_hpz.hpz_setup import HpzSetup
+from lightning_hpz.strategy.hpz_setup import HpzSetup
 
 
 class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     """ZeRO stages 1-3 with stabilized hpZ for Fabric, registered as ``Fabric(strategy="hpz")`` (and ``zero3``, ...).
 
-    Takes every argument of :class:`~lightning_hpz.hpz_setup.HpzSetup` (``stage``, ``hpz_partition_size``,
+    Takes every argument of :class:`~lightning_hpz.strategy.hpz_setup.HpzSetup` (``stage``, ``hpz_partition_size``,
     ``quantized_weights``, ``quantized_gradients``, ``hpz_sync``, ``emulate_async_copy``, ``verify_after_load``,
     ``config``) and of Fabric's :class:`~lightning.fabric.strategies.DeepSpeedStrategy`, with the same defaults,
     checks and messages as the Trainer's :class:`~lightning_hpz.HpzStrategy`.
@@ -97,5 +97,5 @@ def register() -> None:
     HpzFabricStrategy.register_strategies(STRATEGY_REGISTRY)
 
 
-# Importing the strategy registers its names with Fabric; lightning_hpz.registration imports it with Lightning.
+# Importing the strategy registers its names with Fabric; lightning_hpz.strategy.registration imports it with Lightning.
 register()

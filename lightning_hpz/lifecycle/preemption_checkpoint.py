@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hpz import collectives
-from lightning_hpz.run_exit import DEFAULT_SIGNALS, PREEMPTED_EXIT_CODE, PreemptionSignals, TrainingPreempted
+from lightning_hpz.lifecycle.run_exit import DEFAULT_SIGNALS, PREEMPTED_EXIT_CODE, PreemptionSignals, TrainingPreempted
 
 _HPC_CHECKPOINT = re.compile(r"^hpc_ckpt_(\d+)\.ckpt$")
 

@@ -28,18 +28,19 @@ def register_when_lightning_is_imported() -> None:
 def register_now() -> None:
     # Importing the strategy modules registers the names at their end (the Trainer's and Fabric's registries).
     # `import lightning` loads both lightning.fabric and lightning.pytorch, so one hook serves both.
-    importlib.import_module("lightning_hpz.strategy")
-    importlib.import_module("lightning_hpz.fabric.strategy")
+    importlib.import_module("lightning_hpz.strategy.trainer_strategy")
+    importlib.import_module("lightning_hpz.strategy.fabric_strategy")
     # a mistyped name gets the closest of ours in Lightning's own error (Trainer and Fabric, not only the CLI)
-    importlib.import_module("lightning_hpz.strategy_name_hint").add_name_hints()
+    importlib.import_module("lightning_hpz.strategy.name_hint").add_name_hints()
 
 
 class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
     """Finds nothing itself: hands out the real specs of ``lightning.pytorch`` and of this package's modules with
     loaders that report when they finish, and registers once Lightning is loaded and none of our modules is halfway.
 
-    The second condition matters when one of our modules is what imports Lightning (``from lightning_hpz.data_order
-    import ...`` first): registering right then would import the strategy, which imports that half-run module back.
+    The second condition matters when one of our modules is what imports Lightning (``from
+    lightning_hpz.exact_resume.data_order import ...`` first): registering right then would import the strategy,
+    which imports that half-run module back.
     """
 
     def __init__(self) -> None:

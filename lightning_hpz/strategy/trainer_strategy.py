@@ -16,17 +16,18 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_hpz import data_order, epoch_end_checkpoint, partitioning, random_layers, rank_failure
+from lightning_hpz import partitioning
 from lightning_hpz.autotune import resume_path
-from lightning_hpz.callbacks.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz.checkpointing import commit, compatibility, resume
 from lightning_hpz.checkpointing.errors import CheckpointRefusedError
-from lightning_hpz.hpz_setup import HpzSetup
-from lightning_hpz.inference import inference_config
-from lightning_hpz.op_build_launcher import OpsBuiltFirstLauncher
-from lightning_hpz.resumable_loader import ResumableLoader
-from lightning_hpz.run_exit import CoordinatedExit
-from lightning_hpz.strategy_presets import STRATEGY_PRESETS  # noqa: F401 - still importable from here
+from lightning_hpz.exact_resume import data_order, epoch_end_checkpoint, random_layers
+from lightning_hpz.exact_resume.resumable_loader import ResumableLoader
+from lightning_hpz.lifecycle import rank_failure
+from lightning_hpz.lifecycle.op_build_launcher import OpsBuiltFirstLauncher
+from lightning_hpz.lifecycle.preemption_checkpoint import PreemptionCheckpoint
+from lightning_hpz.lifecycle.run_exit import CoordinatedExit
+from lightning_hpz.strategy.hpz_setup import HpzSetup
+from lightning_hpz.strategy.inference_config import inference_config
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     """ZeRO stages 1-3 with stabilized hierarchical partitioning (hpZ), registered as ``strategy="hpz"``.
 
-    Takes every argument of :class:`~lightning_hpz.hpz_setup.HpzSetup` (``stage``, ``hpz_partition_size``,
+    Takes every argument of :class:`~lightning_hpz.strategy.hpz_setup.HpzSetup` (``stage``, ``hpz_partition_size``,
     ``quantized_weights``, ``quantized_gradients``, ``hpz_sync``, ``emulate_async_copy``, ``verify_after_load``,
     ``config``) and of Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, plus:
 
@@ -227,5 +228,5 @@ def register() -> None:
     HpzStrategy.register_strategies(StrategyRegistry)
 
 
-# Importing the strategy registers its names; lightning_hpz.registration imports it as soon as Lightning is loaded.
+# Importing the strategy registers its names; strategy/registration.py imports it as soon as Lightning is loaded.
 register()

@@ -1,0 +1,3 @@
+"""How the processes of a run start and end: the launcher that builds DeepSpeed's ops first
+(:mod:`op_build_launcher`), exit codes and coordinated exits (:mod:`run_exit`), preemption signals
+(:mod:`preemption_checkpoint`) and a failing rank (:mod:`rank_failure`)."""
