@@ -2,6 +2,7 @@
 imports only downward through the layers, no import cycle. Read from the source, so nothing is imported."""
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -108,6 +109,25 @@ def test_every_folder_the_architecture_page_names_exists():
     named = set(re.findall(r"`([a-z_]+)/`", ARCHITECTURE.read_text()))
     assert named, "docs/architecture.md names no folder"
     assert sorted(folder for folder in named if not (PACKAGE / folder).is_dir()) == []
+
+
+@pytest.mark.parametrize(
+    "package",
+    ["lightning_hpz", "lightning_hpz.callbacks", "lightning_hpz.models", "lightning_hpz.data", "lightning_hpz.cli"],
+)
+def test_public_names_still_import(package):
+    # the paths users write (README, YAML class_path) survive any move inside the package
+    module = importlib.import_module(package)
+    assert module.__all__
+    assert [name for name in module.__all__ if getattr(module, name, None) is None] == []
+
+
+def test_the_strategies_keep_their_public_names():
+    import lightning_hpz
+
+    assert lightning_hpz.HpzStrategy.__name__ == "HpzStrategy"
+    assert lightning_hpz.HpzFabricStrategy.__name__ == "HpzFabricStrategy"
+    assert importlib.import_module("lightning_hpz.callbacks").PreemptionCheckpoint.__name__ == "PreemptionCheckpoint"
 
 
 def strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:

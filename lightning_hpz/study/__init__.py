@@ -8,5 +8,7 @@ run in the cells' own processes):
   :mod:`.measurement`); :mod:`.cell_summary` turns the ranks' records into one result line, next to the planner's
   prediction (:mod:`.prediction`).
 * :mod:`.results_log` appends the lines (JSON lines, resumable); :mod:`.report` and :mod:`.plots` write the table and
-  the figures; :mod:`.command` ties them together with a progress bar.
+  the figures (both read :mod:`.analysis`); :mod:`.command` ties them together with a progress bar.
+
+What it shares with :mod:`lightning_hpz.bench`, and why the rest stays apart, is said in that package's docstring.
 """
