@@ -11,11 +11,11 @@ from lightning_hpz.strategy.registration import register_when_lightning_is_impor
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it, imported on first access
+# public name -> the subpackage that exposes it (itself lazily: `strategy/__init__.py` knows the defining module)
 _LAZY_ATTRIBUTES = {
-    "HpzConfigurationError": "strategy.config",
-    "HpzFabricStrategy": "strategy.fabric_strategy",
-    "HpzStrategy": "strategy.trainer_strategy",
+    "HpzConfigurationError": "strategy",
+    "HpzFabricStrategy": "strategy",
+    "HpzStrategy": "strategy",
     "SecondaryPartitionMismatchError": "partitioning",
     "check_secondary_partitions": "partitioning",
     "refresh_secondary_partitions": "partitioning",
