@@ -7,6 +7,8 @@ One launch per device count runs every setting in turn (see tests/scripts/infere
 import pytest
 from conftest import assert_succeeded, run_script
 
+from lightning_hpz.strategy.cuda_semantics import CUDA_SEMANTICS_ENV_VAR
+
 pytestmark = pytest.mark.multiprocess
 
 ONE_DEVICE = {"stage1": {"stage": 1}, "stage2": {"stage": 2}, "stage3": {"stage": 3}}
@@ -27,7 +29,9 @@ def _launch(module_tmp, devices: int, settings: dict):
         for name, kwargs in settings.items()
     ]
     options = {"devices": devices, "runs": runs}
-    run = run_script("inference_contract.py", options, module_tmp / f"devices{devices}", ranks=devices)
+    # Lightning's CUDA branch: validate/test/predict under torch.inference_mode, as on every GPU
+    env = {CUDA_SEMANTICS_ENV_VAR: "1"}
+    run = run_script("inference_contract.py", options, module_tmp / f"devices{devices}", ranks=devices, env=env)
     assert_succeeded(run, ranks=devices)
     return run
 
@@ -80,3 +84,9 @@ def test_hpz_inference_of_model_built_outside_configure_model(launches):
 def test_zero_optimization_false_runs_without_zero(launches):
     for rank in (0, 1):
         assert launches[2].ranks[rank]["zero_off"]["zero_config"] is None
+
+
+def test_evaluation_took_lightnings_cuda_branch(launches):
+    # on gloo Lightning would evaluate under no_grad; the emulation makes it choose inference_mode as on CUDA
+    for name, record in _records(launches):
+        assert record["inference_mode_seen"] == [True], name

@@ -18,8 +18,10 @@ Parameters converted before :func:`install` (a ``deepspeed.zero.Init`` entered e
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -181,7 +183,36 @@ def _write_stamp(param: torch.nn.Parameter) -> tuple[int, int] | None:
     return None if secondary is None else (id(secondary), secondary._version)
 
 
+@contextlib.contextmanager
+def _outside_inference_mode() -> Iterator[None]:
+    """Leave ``torch.inference_mode`` (gradients stay off) for the duration of a secondary-shard write.
+
+    Lightning evaluates under ``inference_mode`` on CUDA (``lightning/pytorch/loops/utilities.py``,
+    ``_no_grad_context``), and DeepSpeed writes a secondary shard in whatever mode the forward runs: a shard allocated
+    there is an inference tensor, which has no version counter and may never be written in place outside that mode.
+    Frozen parameters keep their shards into training, where DeepSpeed rewrites them in place.
+    """
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+def _drop_inference_secondary(param: Any) -> None:
+    # A shard made under inference_mode before this module wrapped DeepSpeed: let DeepSpeed allocate a normal one.
+    secondary = getattr(param, "ds_secondary_tensor", None)
+    if secondary is not None and secondary.is_inference():
+        param.ds_secondary_tensor = None
+
+
 def _ordered_partition_param_sec(self: Any, param: Any, buffer: Any = None, has_been_updated: bool = False) -> None:
+    with _outside_inference_mode():
+        _drop_inference_secondary(param)
+        return _write_secondary_in_order(self, param, buffer, has_been_updated)
+
+
+def _write_secondary_in_order(self: Any, param: Any, buffer: Any, has_been_updated: bool) -> None:
     ordering: CopyOrdering | None = _active["ordering"]
     if ordering is None or getattr(param, STOCK_COPY_SYNC_MARK, False):
         return _ORIGINAL_PARTITION_PARAM_SEC(self, param, buffer, has_been_updated)

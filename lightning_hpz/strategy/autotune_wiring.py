@@ -83,6 +83,7 @@ class AutotuneWiring:
     def _apply_zero_keys(self, keys: dict[str, Any]) -> None:
         size = int(keys.get("zero_hpz_partition_size", self.hpz_partition_size or 1))
         cfg.validate_layout(size, self.devices_per_node, self.num_nodes)
+        cfg.validate_hpz_companions(self.config, size)
         self.config.setdefault("zero_optimization", {}).update(keys)
         changed = size != (self.hpz_partition_size or 1)
         self.hpz_partition_size = size

@@ -200,6 +200,38 @@ def validate_layout(partition_size: int, devices_per_node: int, num_nodes: int) 
         )
 
 
+def validate_hpz_companions(config: dict[str, Any], partition_size: int) -> None:
+    """Refuse the features next to which hpZ (a size above 1) is silently off or crashes inside DeepSpeed."""
+    if partition_size <= 1:
+        return
+    if (config.get("compile") or {}).get("deepcompile"):
+        raise HpzConfigurationError(
+            f"hpz_partition_size={partition_size} with DeepCompile (compile.deepcompile=true): DeepCompile schedules "
+            "ZeRO-3's gathers itself and never keeps or reads hpZ's secondary partitions, so hpZ would be silently "
+            "off. Set hpz_partition_size=1, or remove compile.deepcompile."
+        )
+    offload = (config.get("zero_optimization") or {}).get("offload_param") or {}
+    if offload.get("device") == "nvme":
+        raise HpzConfigurationError(
+            f"hpz_partition_size={partition_size} with parameters offloaded to NVMe (offload_param.device='nvme'): "
+            "DeepSpeed's NVMe parameter swapper does not handle hpZ's secondary partitions and fails inside ZeRO-3. "
+            "Offload parameters to 'cpu', or set hpz_partition_size=1."
+        )
+
+
+def validate_qgz_groups(visible_gpus: int, devices_per_node: int) -> None:
+    """qgZ groups a node's ranks by the GPUs each process sees: they must be exactly the node's training devices."""
+    if visible_gpus == devices_per_node:
+        return
+    raise HpzConfigurationError(
+        f"quantized_gradients=True (ZeRO++ qgZ): DeepSpeed groups each node's ranks by the GPUs a process sees "
+        f"({visible_gpus}), but this run trains on {devices_per_node} device(s) per node, so its gradient groups would "
+        f"span nodes or fail to build. Train on every GPU a process sees (devices={visible_gpus}), or show each "
+        f"process only the node's training GPUs (CUDA_VISIBLE_DEVICES with {devices_per_node} entries), or set "
+        "quantized_gradients=False."
+    )
+
+
 def validate_activation_checkpointing(config: dict[str, Any]) -> None:
     """DeepSpeed asserts on these only when the first model is set up; refuse them while the strategy is built."""
     section = config.get("activation_checkpointing") or {}

@@ -15,6 +15,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_hpz import partitioning
+from lightning_hpz.strategy.cuda_semantics import CudaEvaluationContext, cuda_semantics_requested
 
 
 class DeepSpeedEnvironment:
@@ -29,6 +30,7 @@ class DeepSpeedEnvironment:
     # CUDA-only checks.
     _lightning_deepspeed_strategy: type
     copy_ordering: Optional[partitioning.CopyOrdering]
+    _cuda_evaluation: Optional[CudaEvaluationContext]
 
     @property
     def needs_deepspeed_ops(self) -> bool:
@@ -53,6 +55,9 @@ class DeepSpeedEnvironment:
         else:
             super().setup_environment()
         self._start_autotune()
+        if self.on_cpu and cuda_semantics_requested():
+            self._cuda_evaluation = CudaEvaluationContext()
+            self._cuda_evaluation.install()
         # Scoped to this strategy: wrapped from here to teardown (also after an exception), DeepSpeed as shipped after.
         self.copy_ordering = partitioning.install(self.hpz_sync, emulate_async_copy=self.emulate_async_copy)
         if self.hpz_sync == "none" and (self.hpz_partition_size or 1) > 1:
@@ -68,6 +73,8 @@ class DeepSpeedEnvironment:
         finally:
             if self.copy_ordering is not None:
                 partitioning.uninstall(self.copy_ordering)
+            if self._cuda_evaluation is not None:
+                self._cuda_evaluation.uninstall()
             self._end_autotune()
 
     def _init_deepspeed_distributed(self) -> None:

@@ -113,6 +113,7 @@ class HpzSetup(LayoutChecks, DeepSpeedEnvironment, SecondaryVerification, Autotu
         self.hpz_partition_size: Optional[int] = None  # resolved once the cluster layout is known
         self.preset_name: Optional[str] = None  # the registered name it was built from, for messages
         self.copy_ordering: Optional[partitioning.CopyOrdering] = None
+        self._cuda_evaluation = None  # Lightning's CUDA evaluation branch, emulated on CPU when asked for
         self._verify_at_next_step = False
         self.secondary_checks_run = 0
         self.autotune_memory_check: Optional[MemoryCheck] = None  # the peak through step 1 against the budget

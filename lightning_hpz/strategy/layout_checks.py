@@ -53,12 +53,14 @@ class LayoutChecks:
         )
         cfg.validate_layout(size, self.devices_per_node, self.num_nodes)
         self._refuse_quantization_without_cuda()
+        self._refuse_qgz_groups_across_nodes()
         if self.emulate_async_copy and not self.on_cpu:
             raise cfg.HpzConfigurationError(
                 "emulate_async_copy=True reproduces the hpZ race on CPU; on a GPU the copies really are asynchronous. "
                 "Use accelerator='cpu', or unset LIGHTNING_HPZ_EMULATE_ASYNC_COPY."
             )
         self.hpz_partition_size = size
+        cfg.validate_hpz_companions(self.config, size)
         if settings.stage:  # stage 0 (zero_optimization=False) keeps ZeRO off, as in Lightning
             self.config.setdefault("zero_optimization", {}).update(cfg.zero_section(settings, size))
         if self._autotuner is not None and self._autotuner.fixed.hpz_partition_size is None:
@@ -81,6 +83,15 @@ class LayoutChecks:
                     f"{name}=True (ZeRO++ {'qwZ' if name == 'quantized_weights' else 'qgZ'}) needs CUDA: DeepSpeed has "
                     f"no {type(self.accelerator).__name__} kernels for it. Set {name}=False, or train on GPUs."
                 )
+
+    def _refuse_qgz_groups_across_nodes(self) -> None:
+        # DeepSpeed sizes qgZ's node-local groups by the GPUs a process sees (`get_accelerator().device_count()`,
+        # deepspeed/utils/groups.py, `_get_local_all_to_all_group`), not by the devices per node this run uses.
+        if not self.zero_settings.quantized_gradients or self._device_type() != "cuda":
+            return
+        import torch
+
+        cfg.validate_qgz_groups(torch.cuda.device_count(), self.devices_per_node)
 
     def _check_secondary_groups_within_nodes(self) -> None:
         """DeepSpeed groups consecutive global ranks; make sure the launcher numbered each node's ranks together."""

@@ -35,12 +35,19 @@ class ScoredBoringModel(BoringModel):
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.step(batch[0]), sync_dist=True)
+        self.evaluation_modes.add(torch.is_inference_mode_enabled())
 
     def test_step(self, batch, batch_idx):
         self.log("test_loss", self.step(batch[0]), sync_dist=True)
 
     def predict_step(self, batch, batch_idx):
+        self.evaluation_modes.add(torch.is_inference_mode_enabled())
         return self(batch[0])
+
+    @property
+    def evaluation_modes(self) -> set:
+        # whether validate and predict ran under torch.inference_mode (Lightning's CUDA branch) or not
+        return EVALUATION_MODES
 
     def train_dataloader(self):
         return fixed_data(1)
@@ -67,6 +74,7 @@ class ConfiguredBoringModel(ScoredBoringModel):
             self.layer = torch.nn.Linear(32, 2)
 
 
+EVALUATION_MODES: set = set()
 MODELS = {"boring": ScoredBoringModel, "configured": ConfiguredBoringModel}
 
 
@@ -115,6 +123,7 @@ def one_run(run: dict, devices: int, out: Path) -> dict:
     }
     record["zero_config"] = trainer.strategy.config.get("zero_optimization")
     record["global_rank"] = trainer.global_rank
+    record["inference_mode_seen"] = sorted(EVALUATION_MODES)
     return record
 
 
