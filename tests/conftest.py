@@ -15,6 +15,11 @@ from pathlib import Path
 import pytest
 from warm_launcher import WarmLauncher
 
+# Every run the suite launches takes the CUDA branches of Lightning a CPU can take (strategy/cuda_semantics.py,
+# docs/cuda-semantics.md): validate/test/predict under torch.inference_mode, as on every GPU. A test that needs the
+# gloo branch passes CUDA_SEMANTICS_OFF to run_script.
+os.environ.setdefault("LIGHTNING_HPZ_EMULATE_CUDA_SEMANTICS", "1")
+CUDA_SEMANTICS_OFF = {"LIGHTNING_HPZ_EMULATE_CUDA_SEMANTICS": "0"}
 SCRIPTS = Path(__file__).parent / "scripts"
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Parameters are released after forward and re-gathered in backward even for a tiny model, as in a 7B model:

@@ -5,9 +5,7 @@ One launch per device count runs every setting in turn (see tests/scripts/infere
 """
 
 import pytest
-from conftest import assert_succeeded, run_script
-
-from lightning_hpz.strategy.cuda_semantics import CUDA_SEMANTICS_ENV_VAR
+from conftest import CUDA_SEMANTICS_OFF, assert_succeeded, run_script
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,14 +21,12 @@ TWO_DEVICES = {
 }
 
 
-def _launch(module_tmp, devices: int, settings: dict):
+def _launch(module_tmp, devices: int, settings: dict, env: dict):
     runs = [
         {"name": name, "strategy": kwargs, "model": "configured" if name.endswith("configure_model") else "boring"}
         for name, kwargs in settings.items()
     ]
     options = {"devices": devices, "runs": runs}
-    # Lightning's CUDA branch: validate/test/predict under torch.inference_mode, as on every GPU
-    env = {CUDA_SEMANTICS_ENV_VAR: "1"}
     run = run_script("inference_contract.py", options, module_tmp / f"devices{devices}", ranks=devices, env=env)
     assert_succeeded(run, ranks=devices)
     return run
@@ -38,7 +34,9 @@ def _launch(module_tmp, devices: int, settings: dict):
 
 @pytest.fixture(scope="module")
 def launches(module_tmp):
-    return {1: _launch(module_tmp, 1, ONE_DEVICE), 2: _launch(module_tmp, 2, TWO_DEVICES)}
+    # two devices take Lightning's CUDA branch (evaluation under torch.inference_mode, the suite's default); one device
+    # its gloo branch (no_grad), so both stay covered
+    return {1: _launch(module_tmp, 1, ONE_DEVICE, CUDA_SEMANTICS_OFF), 2: _launch(module_tmp, 2, TWO_DEVICES, {})}
 
 
 def _records(launches):
@@ -86,7 +84,7 @@ def test_zero_optimization_false_runs_without_zero(launches):
         assert launches[2].ranks[rank]["zero_off"]["zero_config"] is None
 
 
-def test_evaluation_took_lightnings_cuda_branch(launches):
-    # on gloo Lightning would evaluate under no_grad; the emulation makes it choose inference_mode as on CUDA
+def test_evaluation_took_the_branch_asked_for(launches):
+    # on gloo Lightning evaluates under no_grad; the emulation makes it choose inference_mode, as on CUDA
     for name, record in _records(launches):
-        assert record["inference_mode_seen"] == [True], name
+        assert record["inference_mode_seen"] == ([True] if "2 device" in name else [False]), name

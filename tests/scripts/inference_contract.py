@@ -35,7 +35,8 @@ class ScoredBoringModel(BoringModel):
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.step(batch[0]), sync_dist=True)
-        self.evaluation_modes.add(torch.is_inference_mode_enabled())
+        if self.trainer.state.fn != "fit":  # fit validates under no_grad on every backend (Lightning's choice)
+            self.evaluation_modes.add(torch.is_inference_mode_enabled())
 
     def test_step(self, batch, batch_idx):
         self.log("test_loss", self.step(batch[0]), sync_dist=True)
