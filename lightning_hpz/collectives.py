@@ -52,6 +52,46 @@ def all_reduce_values(values: list[float], op: str = "sum", group: Optional[Any]
     return reduced.tolist()
 
 
+class PendingReduction:
+    """An all-reduce of a few numbers on the host-side control group, started now and read later.
+
+    The numbers travel over gloo in host memory, so neither starting nor reading it waits for the GPU: a decision
+    all ranks must take together (a preemption flag) costs no drain of the device pipeline. Read it at the same point
+    on every rank (``result`` waits for the reduction, which the ranks started one step earlier).
+    """
+
+    def __init__(self, values: list[float], op: str = "sum") -> None:
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"op={op!r}: choose one of {sorted(_REDUCE_OPS)}")
+        self._values = torch.tensor(values, dtype=torch.float64)
+        self._work = None
+        if is_distributed():
+            reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[op])
+            self._work = dist.all_reduce(self._values, op=reduce_op, group=control_group(), async_op=True)
+
+    def result(self) -> list[float]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._values.tolist()
+
+
+_CONTROL_GROUPS: dict[Any, Any] = {}
+
+
+def control_group() -> Any:
+    """A gloo group over every rank for control values in host memory (the default group itself when it is gloo).
+
+    Built on first use, which every rank must reach in the same order as its other collectives.
+    """
+    if "gloo" in str(dist.get_backend()).lower():
+        return None
+    world = dist.group.WORLD
+    if world not in _CONTROL_GROUPS:
+        _CONTROL_GROUPS[world] = dist.new_group(backend="gloo")
+    return _CONTROL_GROUPS[world]
+
+
 def all_gather_tensor(tensor: torch.Tensor, group: Optional[Any] = None) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape on each), in rank order, on ``tensor``'s device."""
     if not is_distributed():

@@ -149,7 +149,7 @@ class StepClock(L.Callback):
 
 def test_throughput_counts_real_tokens_and_model_flops(tmp_path, monkeypatch):
     monitor, clock = TokenThroughputMonitor(window_size=6, peak_flops=1e12), StepClock()
-    monkeypatch.setattr("lightning_hpz.callbacks.token_throughput_monitor.time", clock)
+    monkeypatch.setattr("lightning_hpz.callbacks.step_clock.time", clock)
     model = TinyLlama()
     fit(tmp_path, model, [monitor, clock], steps=8)
     last = monitor.history[-1]

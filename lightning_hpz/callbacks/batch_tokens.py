@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -15,7 +15,7 @@ class BatchTokens:
     ``input_positions``/``target_positions``: sequence lengths as computed (padding included), per sample."""
 
     samples: int
-    real_tokens: int
+    real_tokens: Union[int, torch.Tensor]  # a 0-d tensor on the batch's device when counted there (no host sync)
     input_positions: int
     target_positions: Optional[int] = None
 
@@ -25,18 +25,24 @@ def _field(batch: Any, name: str) -> Optional[torch.Tensor]:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _count_real(ids: torch.Tensor, mask: Optional[torch.Tensor], pad_id: Optional[int]) -> int:
+def _count_real(
+    ids: torch.Tensor, mask: Optional[torch.Tensor], pad_id: Optional[int], on_device: bool
+) -> Union[int, torch.Tensor]:
     if mask is not None:
-        return int(mask.sum())
-    if pad_id is not None:
-        return int((ids != pad_id).sum())
-    return ids.numel()
+        real = mask.sum()
+    elif pad_id is not None:
+        real = (ids != pad_id).sum()
+    else:
+        return ids.numel()
+    # Reading a sum of a GPU tensor waits for the GPU: a callback that runs every step keeps it on the device.
+    return real if on_device else int(real)
 
 
-def _detect_batch_tokens(batch: Any, target_pad_id: int = -100) -> BatchTokens:
+def _detect_batch_tokens(batch: Any, target_pad_id: int = -100, on_device: bool = False) -> BatchTokens:
     """Count a batch given as a mapping (or object) with ``input_ids`` and optional ``attention_mask``,
     ``decoder_input_ids``/``decoder_attention_mask``/``labels`` (targets padded with ``target_pad_id``), or as a
-    tensor of token ids / a tuple whose first item is one (every position then counts as real)."""
+    tensor of token ids / a tuple whose first item is one (every position then counts as real). ``on_device``: leave
+    the real-token count as a tensor on the batch's device."""
     ids = _field(batch, "input_ids")
     if ids is None:
         first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
@@ -47,7 +53,7 @@ def _detect_batch_tokens(batch: Any, target_pad_id: int = -100) -> BatchTokens:
             )
         ids = first
     ids = ids if ids.dim() > 1 else ids.unsqueeze(0)  # (B, S)
-    real = _count_real(ids, _field(batch, "attention_mask"), None)
+    real = _count_real(ids, _field(batch, "attention_mask"), None, on_device)
     targets = _field(batch, "decoder_input_ids")
     target_mask = _field(batch, "decoder_attention_mask")
     labels = _field(batch, "labels")
@@ -56,5 +62,5 @@ def _detect_batch_tokens(batch: Any, target_pad_id: int = -100) -> BatchTokens:
     target_positions = None
     if targets is not None:
         target_positions = targets.shape[-1]
-        real += _count_real(targets, target_mask, None if target_mask is not None else target_pad_id)
+        real = real + _count_real(targets, target_mask, None if target_mask is not None else target_pad_id, on_device)
     return BatchTokens(ids.shape[0], real, ids.shape[-1], target_positions)

@@ -12,8 +12,9 @@ from typing_extensions import override
 class SecondaryPartitionCheck(Callback):
     """Rebuild every parameter from its secondary and from its primary shards and raise if they differ.
 
-    Runs between forward and backward, when the secondaries about to be read by the backward gathers exist. A
-    collective: every rank runs it at the same steps. Costs two extra gathers of the model, so pick ``every_n_steps``
+    Runs between forward and backward, when the secondaries about to be read by the backward gathers exist, once per
+    due optimizer step (its first micro-batch under gradient accumulation). A collective: every rank runs it at the
+    same steps. Costs two extra gathers of the model, so pick ``every_n_steps``
     accordingly (a few hundred while validating a new cluster or DeepSpeed version).
 
     Args:
@@ -26,11 +27,13 @@ class SecondaryPartitionCheck(Callback):
         self.every_n_steps = every_n_steps
         self.checks_run = 0
         self.last_checked = 0
+        self._checked_at_step = -1
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        if trainer.global_step % self.every_n_steps:
-            return
+        if trainer.global_step % self.every_n_steps or trainer.global_step == self._checked_at_step:
+            return  # not due, or due and done at this step's first micro-batch (gradient accumulation)
+        self._checked_at_step = trainer.global_step
         from lightning_hpz.partitioning import check_secondary_partitions  # needs DeepSpeed: only once it runs
 
         report = check_secondary_partitions(pl_module)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -17,6 +16,7 @@ from lightning_hpz import collectives
 from lightning_hpz.callbacks.batch_tokens import BatchTokens, _detect_batch_tokens
 from lightning_hpz.callbacks.model_flops import TransformerShape, shape_from_config, training_flops
 from lightning_hpz.callbacks.peak_flops import peak_flops_for
+from lightning_hpz.callbacks.step_clock import StepClock
 from lightning_hpz.callbacks.strategy_traffic import strategy_traffic
 from lightning_hpz.planning import TrafficEstimate
 
@@ -31,11 +31,15 @@ class TokenThroughputMonitor(Callback):
     ``comm/intra_node_bytes_per_step`` (what each rank sends per optimizer step; see :mod:`lightning_hpz.planning` and
     :mod:`lightning_hpz.callbacks.strategy_traffic` for what is assumed per strategy).
 
-    Tokens, samples and FLOPs of all micro-batches of an optimizer step are summed over the ranks once per optimizer
-    step (one all-reduce of three numbers), so ranks with different batch sizes or padding count right; like
-    Lightning's ``ThroughputMonitor``, rates are updated and logged once per optimizer step, also under gradient
-    accumulation. The rates come from Lightning's
+    Tokens, samples and FLOPs of all micro-batches of an optimizer step are summed over the ranks, so ranks with
+    different batch sizes or padding count right; like Lightning's ``ThroughputMonitor``, rates are updated once per
+    optimizer step, also under gradient accumulation. The rates come from Lightning's
     :class:`~lightning.fabric.utilities.throughput.Throughput`.
+
+    A step that does not log never waits for the GPU: real tokens are counted on the batch's device, the end of the
+    step is a CUDA event (:class:`~lightning_hpz.callbacks.step_clock.StepClock`), and the steps since the last log
+    are summed over the ranks in one all-reduce when the next log is due (then the rates are updated step by step,
+    as if each had been read at once).
 
     Args:
         model_config: a transformers config (or dict with the same keys) to count FLOPs from; default: the
@@ -63,14 +67,16 @@ class TokenThroughputMonitor(Callback):
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.window_size = window_size
-        self.tokens_fn = tokens_fn or _detect_batch_tokens
+        self.tokens_fn = tokens_fn or _count_on_device
         self.shape: Optional[TransformerShape] = None
         self.traffic: Optional[TrafficEstimate] = None
         self.history: list[dict[str, float]] = []
         self._throughput: Optional[Throughput] = None
         self._totals = torch.zeros(3, dtype=torch.float64)  # real tokens, samples, optimizer steps (all ranks)
-        self._step_counts = torch.zeros(3, dtype=torch.float64)  # this rank's tokens, samples, FLOPs of this step
-        self._t0 = 0.0
+        self._step_tokens: Any = 0.0  # this rank's real tokens of this step (a device tensor when counted there)
+        self._step_host_counts = [0.0, 0.0]  # this rank's samples and FLOPs of this step
+        self._unread: list[list[Any]] = []  # [tokens, samples, FLOPs] of each step since the last log, this rank
+        self._clock: Optional[StepClock] = None
         self._module_flops_per_batch: Optional[float] = None
 
     @override
@@ -85,6 +91,7 @@ class TokenThroughputMonitor(Callback):
         self._throughput = Throughput(
             available_flops=self.peak_flops, world_size=trainer.world_size, window_size=self.window_size
         )
+        self._clock = StepClock(trainer.strategy.root_device)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -94,30 +101,45 @@ class TokenThroughputMonitor(Callback):
         if self.shape is None and self.flops_per_token is None and self._module_flops_per_batch is None:
             rank_zero_info("TokenThroughputMonitor: no model config or flops_per_token given, so no TFLOP/s or MFU.")
         self._totals.zero_()
-        self._step_counts.zero_()
-        self._t0 = time.perf_counter()
+        self._step_tokens, self._step_host_counts, self._unread = 0.0, [0.0, 0.0], []
+        assert self._clock is not None
+        self._clock.start()
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         counts = self.tokens_fn(batch)
-        self._step_counts += torch.tensor(
-            [counts.real_tokens, counts.samples, self._batch_flops(counts)], dtype=torch.float64
-        )
+        self._step_tokens = self._step_tokens + counts.real_tokens
+        self._step_host_counts[0] += counts.samples
+        self._step_host_counts[1] += self._batch_flops(counts)
         # Lightning internal `fit_loop._should_accumulate()`, the test Lightning's ThroughputMonitor uses: a
         # micro-batch that ends no optimizer step is only counted.
         if trainer.fit_loop._should_accumulate():
             return
-        tokens, samples, flops = collectives.all_reduce_values(self._step_counts.tolist(), op="sum")
-        self._step_counts.zero_()
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - self._t0
-        self._totals += torch.tensor([tokens, samples, 1.0], dtype=torch.float64)
-        self._update(trainer, elapsed, flops)
+        assert self._clock is not None
+        self._clock.mark()
+        self._unread.append([self._step_tokens, *self._step_host_counts])
+        self._step_tokens, self._step_host_counts = 0.0, [0.0, 0.0]
         if (trainer.global_step % trainer.log_every_n_steps) == 0:
+            self._read_steps(trainer)
             self._log(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._read_steps(trainer)  # every rank ends training together: the last steps count in the totals too
+
+    def _read_steps(self, trainer: Trainer) -> None:
+        """Sum the unread steps over the ranks (one all-reduce) and feed them to the rates in order."""
+        assert self._clock is not None
+        times = self._clock.read()
+        unread, self._unread = self._unread, []
+        if not unread:
+            return
+        reduced = collectives.all_reduce(_as_rows(unread, collectives.collective_device())).tolist()
+        for (tokens, samples, flops), elapsed in zip(reduced, times, strict=True):
+            self._totals += torch.tensor([tokens, samples, 1.0], dtype=torch.float64)
+            self._update(trainer, elapsed, flops)
 
     def _batch_flops(self, counts: BatchTokens) -> float:
         if self.flops_per_token is not None:
@@ -160,6 +182,15 @@ class TokenThroughputMonitor(Callback):
         pl_module.log("tokens/s", metrics["throughput/tokens_per_sec"], prog_bar=True, logger=False, batch_size=1)
         pl_module.log_dict(metrics, batch_size=1)
         self.history.append({"step": trainer.global_step, "time": raw["time"], **metrics})
+
+
+def _as_rows(steps: list[list[Any]], device: torch.device) -> torch.Tensor:
+    """(steps, 3) float64 on ``device``: each step's tokens (a device tensor or a number), samples and FLOPs."""
+    return torch.stack([torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device) for v in s]) for s in steps])
+
+
+def _count_on_device(batch: Any) -> BatchTokens:
+    return _detect_batch_tokens(batch, on_device=True)
 
 
 def _module_config(pl_module: LightningModule) -> Optional[Any]:

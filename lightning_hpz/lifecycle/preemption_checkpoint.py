@@ -22,8 +22,10 @@ _HPC_CHECKPOINT = re.compile(r"^hpc_ckpt_(\d+)\.ckpt$")
 class PreemptionCheckpoint(Callback):
     """Turn a preemption signal into a committed checkpoint and exit code 75 (``PREEMPTED_EXIT_CODE``).
 
-    The signal handler only records the signal. After every optimizer step the ranks agree (one all-reduce of a
-    scalar) whether any of them was signalled; if so, all save ``<default_root_dir>/hpc_ckpt_<N>.ckpt``, and the run
+    The signal handler only records the signal. After every optimizer step each rank starts an all-reduce of its
+    flag on a host-side gloo group and reads the one it started a step earlier (:class:`~lightning_hpz.collectives.
+    PendingReduction`): no step waits for the GPU, and every rank decides at the same step. When any rank was
+    signalled, all save ``<default_root_dir>/hpc_ckpt_<N>.ckpt`` one optimizer step after the signal, and the run
     ends with :class:`~lightning_hpz.preemption.TrainingPreempted` (a ``SystemExit`` with code 75). Lightning resumes
     from the newest such checkpoint by itself under SLURM, and with ``fit(ckpt_path="hpc")`` anywhere else. Under
     SLURM with ``SLURMEnvironment(auto_requeue=True)`` (Lightning's default there) rank 0 also requeues the job.
@@ -38,11 +40,15 @@ class PreemptionCheckpoint(Callback):
         self.preemption = PreemptionSignals(tuple(signals))
         self._step_at_batch_start = -1
         self.checkpoint: Optional[str] = None
+        self._agreement: Optional[collectives.PendingReduction] = None  # the flags of the previous optimizer step
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Lightning registers its own SIGTERM handler just before the training stage starts; replace it here.
         self.preemption.install()
+        self._agreement = None
+        if collectives.is_distributed():
+            collectives.control_group()  # built now, on every rank, before the first step's collectives
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -54,13 +60,20 @@ class PreemptionCheckpoint(Callback):
     ) -> None:
         if trainer.global_step == self._step_at_batch_start:
             return  # inside a gradient-accumulation window: a checkpoint here would lose the accumulated gradients
-        (signalled,) = collectives.all_reduce_values([float(self.preemption.received is not None)], op="max")
+        previous, self._agreement = (
+            self._agreement,
+            collectives.PendingReduction([float(self.preemption.received is not None)], op="max"),
+        )
+        signalled = previous is not None and previous.result()[0]
         if signalled and trainer.global_step < (trainer.max_steps if trainer.max_steps >= 0 else float("inf")):
             self._preempt(trainer)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.preemption.uninstall()
+        if self._agreement is not None:  # every rank started it: finish it so no collective is left in flight
+            self._agreement.result()
+            self._agreement = None
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
