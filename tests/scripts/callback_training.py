@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_hpz
-from lightning_hpz.callbacks import LossStabilityMonitor, TokenThroughputMonitor, token_throughput_monitor
+from lightning_hpz.callbacks import LossStabilityMonitor, TokenThroughputMonitor, step_clock
 
 VOCAB, SEQ, PAD = 64, 16, 0
 TINY_ZERO3 = {
@@ -120,7 +120,7 @@ def main(options: dict) -> None:
     )
     throughput = TokenThroughputMonitor(flops_per_token=options.get("flops_per_token"), window_size=8)
     clock = MonitorClock()
-    token_throughput_monitor.time = clock  # read once at train start, then once at each batch end
+    step_clock.time = clock  # read once at train start, then once at each optimizer step end
     recorder = WeightRecorder(options.get("nan_at_step", -1))
     callbacks = [monitor, throughput, recorder]
     trainer = L.Trainer(
