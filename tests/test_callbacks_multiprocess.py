@@ -1,7 +1,7 @@
-"""LossStabilityMonitor and TokenThroughputMonitor on 4 CPU processes under ZeRO-3 + hpZ (4 launches, ~30-60 s each).
+"""LossStabilityMonitor and TokenThroughputMonitor on 4 CPU processes under ZeRO-3 + hpZ (5 launches, ~15-60 s each).
 
-One launch per action, each asserting all it honestly can: `skip` (also carries the throughput checks), `rollback`,
-`stop`, and a resume from the checkpoint `stop` left.
+One launch per action, each asserting all it honestly can: `skip` (also carries the throughput checks), `skip` under
+fp16, `rollback`, `stop`, and a resume from the checkpoint `stop` left.
 """
 
 import csv
@@ -48,6 +48,17 @@ def test_skip_leaves_weights_exactly_as_before_the_bad_batch(skip_run):
     assert weights_after(skip_run, 5) == weights_after(skip_run, 4)
     assert weights_after(skip_run, 6) != weights_after(skip_run, 5)  # training goes on
     assert skip_run["final_weights_finite"]
+
+
+def test_fp16_skip_leaves_the_loss_scaler_as_it_was(module_tmp):
+    # the host reads the monitor's values every 4 steps here: the drop is decided on the device at step 5
+    run = launch(module_tmp / "fp16", action="skip", nan_at_step=5, steps=8, precision="16-mixed", log_every=4)
+    assert [s["step"] for s in run["skipped"]] == [5]
+    assert weights_after(run, 5) == weights_after(run, 4)
+    scaler = run["loss_scaler_after_step"]  # [scale, iteration, last overflow iteration, hysteresis left]
+    assert scaler["5"] == scaler["4"]  # no overflow counted, no scale or hysteresis lost, no clean step counted
+    assert scaler["6"][1] == scaler["4"][1] + 1  # the next step is the scaler's next iteration
+    assert run["engine_skipped_steps"] >= 1  # the engine did discard the step (genuine fp16 overflows may add more)
 
 
 def test_rollback_restores_last_good_checkpoint_and_skips_the_bad_batch(module_tmp):

@@ -98,11 +98,24 @@ class SeriesTracker:
 
     window: int
     history: deque = field(init=False)
+    reference: Optional[tuple] = None
     spiky_in_a_row: int = 0
     max_zscore: float = 0.0
 
     def __post_init__(self) -> None:
         self.history = deque(maxlen=self.window)
+
+    def judged_against(self) -> Sequence[float]:
+        """The values a new one is judged against: the frozen reference when there is one, else the live history."""
+        return self.history if self.reference is None else self.reference
+
+    def spike_limit(self, warmup: int, threshold: float, floor: float) -> float:
+        """The smallest value above which a new one is a spike (``inf`` until ``warmup`` values are known)."""
+        values = self.judged_against()
+        if len(values) < warmup:
+            return math.inf
+        mean, deviation = _mean_and_deviation(values)
+        return mean + threshold * max(deviation, floor * abs(mean), 1e-12)
 
 
 @dataclass
@@ -125,11 +138,13 @@ class StabilityState:
             return None
         return math.fsum(self.start_values) / len(self.start_values)
 
-    def observe_loss(self, step: int, value: float) -> list[StabilityEvent]:
+    def observe_loss(self, step: int, value: float, spiky: Optional[bool] = None) -> list[StabilityEvent]:
+        """The events ``value`` triggers. ``spiky``, when given, is the verdict already taken on the device against
+        :meth:`loss_limit` (it wins over the z-score recomputed here, which could round the other way at the limit)."""
         if _detect_nonfinite(value):
             return [StabilityEvent(NONFINITE_LOSS, step, value)]
         t = self.thresholds
-        events = self._observe(self.loss, step, value, LOSS_SPIKE, t.z_threshold)
+        events = self._observe(self.loss, step, value, LOSS_SPIKE, t.z_threshold, spiky)
         if len(self.start_values) < t.warmup:
             self.start_values.append(value)
         if t.divergence_steps and _detect_divergence(self.start_level, value, t.divergence_margin):
@@ -146,13 +161,33 @@ class StabilityState:
             return []  # the loss detector or the engine's overflow guard has dealt with this step already
         return self._observe(self.grad_norm, step, value, GRAD_NORM_SPIKE, self.thresholds.grad_z_threshold)
 
+    def loss_limit(self) -> float:
+        """The loss above which a new one is a spike, for judging on the device (see :meth:`freeze`)."""
+        t = self.thresholds
+        return self.loss.spike_limit(t.warmup, t.z_threshold, t.min_relative_std)
+
+    def freeze(self) -> None:
+        """Judge the next values against the statistics as they are now, until the next ``freeze``.
+
+        A monitor that reads its device values every few steps judges each loss against the statistics of the last
+        read on the device; the host replays the same values against the same frozen statistics, so both agree.
+        """
+        for series in (self.loss, self.grad_norm):
+            series.reference = tuple(series.history)
+
     def _observe(
-        self, series: SeriesTracker, step: int, value: float, kind: str, threshold: float
+        self,
+        series: SeriesTracker,
+        step: int,
+        value: float,
+        kind: str,
+        threshold: float,
+        spiky: Optional[bool] = None,
     ) -> list[StabilityEvent]:
         t = self.thresholds
-        z = _detect_spike(series.history, value, t.warmup, threshold, t.min_relative_std)
+        z = _detect_spike(series.judged_against(), value, t.warmup, threshold, t.min_relative_std)
         series.max_zscore = max(series.max_zscore, z)
-        if z <= threshold:
+        if not (z > threshold if spiky is None else spiky):
             series.spiky_in_a_row = 0
             series.history.append(value)
             return []

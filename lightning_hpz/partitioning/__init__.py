@@ -34,6 +34,8 @@ _NEEDS_DEEPSPEED = {
     "CpuAdamBuildError": "cpu_adam_op",
     "offloads_to_cpu_adam": "cpu_adam_op",
     "prepare_cpu_adam_op": "cpu_adam_op",
+    "snapshot_loss_scale": "loss_scale_state",
+    "restore_loss_scale": "loss_scale_state",
     "ensure_hpz_groups": "inference_engine",
     "optimizer_less_checkpoint_load": "inference_engine",
 }

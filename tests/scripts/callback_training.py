@@ -87,6 +87,7 @@ class WeightRecorder(L.Callback):
         self.nan_at_step = nan_at_step
         self.after_step: dict[int, list[float]] = {}
         self.before_bad_step: list[float] = []
+        self.loss_scaler_after_step: dict[int, list[float]] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.nan_at_step:
@@ -94,6 +95,10 @@ class WeightRecorder(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.after_step[trainer.global_step - 1] = full_weights(pl_module)
+        scaler = getattr(trainer.strategy.deepspeed_engine.optimizer, "loss_scaler", None)
+        if hasattr(scaler, "cur_hysteresis"):  # fp16's dynamic loss scaler, read straight from DeepSpeed
+            fields = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+            self.loss_scaler_after_step[trainer.global_step - 1] = [getattr(scaler, name) for name in fields]
 
 
 class MonitorClock:
@@ -127,10 +132,11 @@ def main(options: dict) -> None:
         strategy=strategy,
         accelerator="cpu",
         devices=4,
+        precision=options.get("precision", "32-true"),
         max_steps=options.get("steps", 12),
         callbacks=callbacks,
         logger=CSVLogger(out, name="logs", version=0),
-        log_every_n_steps=1,
+        log_every_n_steps=options.get("log_every", 1),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -159,6 +165,7 @@ def main(options: dict) -> None:
         "final_weights_finite": all(math.isfinite(w) for w in final),
         "after_step": {str(k): v for k, v in recorder.after_step.items()},
         "before_bad_step": recorder.before_bad_step,
+        "loss_scaler_after_step": {str(k): v for k, v in recorder.loss_scaler_after_step.items()},
         "rollbacks": monitor.rollbacks,
         "skipped": monitor.skipped,
         "stop_checkpoint": monitor.stop_checkpoint,

@@ -2,9 +2,10 @@
 
 Run as ``python host_syncs.py '<json options>'``. What would stall a GPU pipeline is counted when this package's own
 code asks for it: a value read from a tensor (``item``, ``tolist``, ``bool``/``int``/``float``), and every collective
-of :mod:`lightning_hpz.collectives` on the training group (NCCL tensors on the GPU, read back on the host). The
-host-side control channel (``collectives.PendingReduction``, gloo over host memory) never waits for the GPU and is not
-counted. A sync is the package's when the innermost frame outside torch that asked for it is in lightning_hpz.
+of :mod:`lightning_hpz.collectives` that hands a result to the host (``all_reduce_values``, the gathers, the object
+broadcast). ``collectives.all_reduce`` is not counted: it returns a device tensor, and under NCCL it is queued on the
+stream without the host waiting; whoever reads its result is counted by the read. The host-side control channel
+(``collectives.PendingReduction``, gloo over host memory) never waits for the GPU and is not counted. A sync is the package's when the innermost frame outside torch that asked for it is in lightning_hpz.
 Each rank writes ``rank<r>.json``: per training batch, the syncs and the optimizer steps done after it.
 """
 
@@ -27,7 +28,7 @@ from callback_training import TINY_ZERO3, PaddedTokens, TinyLanguageModel
 
 PACKAGE = str(Path(lightning_hpz.__file__).parent)
 TORCH = str(Path(torch.__file__).parent)
-COUNTED_COLLECTIVES = ("all_reduce", "all_reduce_values", "all_gather_tensor", "all_gather_object", "broadcast_object")
+COUNTED_COLLECTIVES = ("all_reduce_values", "all_gather_tensor", "all_gather_object", "broadcast_object")
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__")
 
 
@@ -113,6 +114,7 @@ def main(options: dict) -> None:
         "steps_after": counter.steps_after,
         "secondary_checks": check.checks_run,
         "preemption_callback": [type(c).__name__ for c in trainer.callbacks if "Preemption" in type(c).__name__],
+        "losses_judged": sum(len(c.losses) for c in trainer.callbacks if isinstance(c, LossStabilityMonitor)),
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
