@@ -1,13 +1,27 @@
-"""hpz_sync modes side by side on one machine: loss parity with plain ZeRO-3 and median step time per mode.
+"""hpz_sync modes side by side on one machine: exact parity with ZeRO-3, stale reads, and the step time of each mode.
 
-    python benchmarks/hpz_sync_modes.py --ranks 2 --steps 50 --out results/hpz_sync   # on a CUDA machine
-    python benchmarks/hpz_sync_modes.py --device cpu --ranks 4 --steps 10 --out /tmp/x  # plumbing check on CPU
+    python benchmarks/hpz_sync_modes.py --ranks 4 --steps 20 --bf16 --validate-every 5 --out results/hpz_sync
+    python benchmarks/hpz_sync_modes.py --device cpu --ranks 4 --steps 3 --out /tmp/x   # plumbing check on CPU
 
-Runs plain ZeRO-3 (hpZ off) and hpZ with each of "none", "stream" and "event", one torchrun job each, the same model,
-data and seed, and writes ``results.json`` and ``results.md``. With at least ``--ranks`` GPUs each rank gets its own
-GPU (NCCL); with fewer, the ranks share the GPUs over gloo (hpZ needs at least two ranks, a single GPU is enough to
-see the host stalls of "stream" and the race of "none"). Each job is a few dozen steps of an MLP stack wide enough
-for the secondary copies to take measurable time, so the whole comparison takes a few minutes.
+Runs each configuration (``--configurations``, see :data:`CONFIGURATIONS`) as its own torchrun job with the same
+model, data and seed, and writes ``results.json`` and ``results.md``. Every rank trains a stack of wide linear layers
+(the first frozen) under ZeRO-3 and, with ``--validate-every``, evaluates a fixed batch under
+``torch.inference_mode()`` (as Lightning does on CUDA), through DeepSpeed's own engine with lightning_hpz's ordering
+installed (``zero3-stock``: DeepSpeed alone, the reference).
+
+Where the ranks run:
+
+* as many GPUs as ranks: one GPU each, NCCL;
+* fewer (one GPU is enough): every rank on GPU 0, over gloo with CUDA tensors (NCCL refuses two ranks on one
+  device). DeepSpeed still takes its CUDA code path and the copies and gathers run on real CUDA streams. Collectives
+  gloo refuses with CUDA tensors are relayed through host memory; the table names them and ``results.json`` has
+  gloo's exact error for each (``benchmarks/shared_gpu.py``);
+* ``--device cpu``: CPU processes over gloo (copies are synchronous there: a plumbing check, no timing meaning).
+
+On a GPU every hpZ rank counts its stale reads (``benchmarks/stale_read_probe.py``): all-gathers that started before
+the secondary copy they read had landed. The ``-late`` configurations start each secondary copy late on the compute
+stream, as on a busy GPU: without ordering (``none``) gathers then read stale shards; ``event`` must still read none
+and match ZeRO-3 bit for bit.
 """
 
 from __future__ import annotations
@@ -19,121 +33,228 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-CONFIGURATIONS = [("zero3", 1, "event"), ("hpz-none", None, "none"), ("hpz-stream", None, "stream"),
-                  ("hpz-event", None, "event")]  # fmt: skip
+
+@dataclass(frozen=True)
+class Configuration:
+    hpz: int
+    sync: str
+    stock: bool = False  # DeepSpeed alone: lightning_hpz's ordering not installed
+    late: bool = False  # secondary copies start late on the compute stream (GPU only)
+
+
+CONFIGURATIONS = {
+    "zero3-stock": Configuration(1, "event", stock=True),
+    "hpz1-event": Configuration(1, "event"),
+    "hpz2-none": Configuration(2, "none"),
+    "hpz2-stream": Configuration(2, "stream"),
+    "hpz2-event": Configuration(2, "event"),
+    "hpz2-none-late": Configuration(2, "none", late=True),
+    "hpz2-event-late": Configuration(2, "event", late=True),
+}
+DEFAULT_CONFIGURATIONS = "zero3-stock,hpz1-event,hpz2-none,hpz2-stream,hpz2-event"
+LATE_CYCLES = 20_000_000  # about 10 ms of GPU time before each secondary copy
 
 
 def worker(args: argparse.Namespace) -> None:
     """One rank of one configuration (started by torchrun)."""
     import warnings
 
+    import torch
+
+    import lightning_hpz.partitioning  # first: it tells DeepSpeed which accelerator to use
+
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    configuration = CONFIGURATIONS[args.configuration]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    on_gpu = args.device == "cuda"
+    shared_gpu = on_gpu and torch.cuda.device_count() < world
+    if shared_gpu:
+        os.environ["LOCAL_RANK"] = "0"  # DeepSpeed places the engine and zero.Init on cuda:LOCAL_RANK
+    if on_gpu:
+        torch.cuda.set_device(0 if shared_gpu else rank)
+    import deepspeed
+
+    ordering = None if configuration.stock else lightning_hpz.partitioning.install(configuration.sync)
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu and not shared_gpu else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    gloo_refused = _prepare_shared_gpu(device) if shared_gpu else {}
+    probe = _stale_read_probe(ordering, device, configuration) if on_gpu else None
+    engine = _engine(args, configuration)
+    record = _train(args, engine, device, rank)
+    record.update(
+        backend=torch.distributed.get_backend(),
+        shared_gpu=shared_gpu,
+        relayed_through_host=gloo_refused,
+        host_syncs=0 if ordering is None else ordering.host_syncs,
+        events_recorded=0 if ordering is None else ordering.events_recorded,
+        stale_reads=None if probe is None else probe.count(),
+        gathers_checked=None if probe is None else probe.gathers_checked,
+    )
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def _prepare_shared_gpu(device: object) -> dict[str, str]:
+    from shared_gpu import probe_gloo_cuda, relay_through_host
+
+    refused = probe_gloo_cuda(device)
+    relay_through_host(list(refused))
+    return refused
+
+
+def _stale_read_probe(ordering: object, device: object, configuration: Configuration) -> object:
+    from stale_read_probe import StaleReadProbe, delay_copies
+
+    if ordering is None:
+        return None
+    if configuration.late:
+        delay_copies(LATE_CYCLES)
+    return StaleReadProbe(ordering, device)
+
+
+def _engine(args: argparse.Namespace, configuration: Configuration) -> object:
     import deepspeed
     import torch
 
-    from lightning_hpz.partitioning import install  # first: it tells DeepSpeed which accelerator to use
-
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    on_gpu = args.device == "cuda"
-    if on_gpu:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    backend = "nccl" if on_gpu and torch.cuda.device_count() >= world else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
-    ordering = install(args.sync)
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
         "zero_optimization": {
-            "stage": 3, "zero_hpz_partition_size": args.hpz, "stage3_max_live_parameters": 0,
+            "stage": 3, "zero_hpz_partition_size": configuration.hpz, "stage3_max_live_parameters": 0,
             "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0,
         },
+        "bf16": {"enabled": args.bf16},
     }  # fmt: skip
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config):
         layers = [torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.GELU()) for _ in range(8)]
         model = torch.nn.Sequential(*layers, torch.nn.Linear(args.width, 1))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    # a frozen layer: DeepSpeed never drops its secondary shard, so one made under inference_mode lives on in training
+    model[0].requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+    return engine
+
+
+def _train(args: argparse.Namespace, engine: object, device: object, rank: int) -> dict:
+    import torch
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
     generator = torch.Generator().manual_seed(1000 + rank)
-    losses, times = [], []
-    for _ in range(args.steps):
-        x = torch.randn(args.batch, args.width, generator=generator).to(engine.device)
+    held_out = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(7)).to(device, dtype)
+    losses, val_losses, times = [], [], []
+    for step in range(args.steps):
+        x = torch.randn(args.batch, args.width, generator=generator).to(device, dtype)
         start = time.perf_counter()
         loss = (engine(x) - x[:, :1]).pow(2).mean()
         engine.backward(loss)
         engine.step()
-        if on_gpu:
+        if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    record = {"losses": losses, "times": times, "events_recorded": ordering.events_recorded,
-              "host_syncs": ordering.host_syncs, "backend": backend}  # fmt: skip
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(record))
+        losses.append(loss.float().item())
+        if args.validate_every and (step + 1) % args.validate_every == 0:
+            with torch.inference_mode():  # Lightning's evaluation context on CUDA
+                val_losses.append((engine(held_out) - held_out[:, :1]).pow(2).mean().float().item())
+    return {"losses": losses, "val_losses": val_losses, "times": times}
 
 
-def run_configuration(args: argparse.Namespace, name: str, hpz: int, sync: str) -> dict:
+def run_configuration(args: argparse.Namespace, name: str) -> dict:
+    """One configuration's job; a job that fails gives its exit code and the end of its output instead."""
     out = Path(args.out) / name
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}", __file__,
-        "--worker", "--device", args.device, "--hpz", str(hpz), "--sync", sync, "--steps", str(args.steps),
-        "--width", str(args.width), "--batch", str(args.batch), "--out", str(out),
+        "--worker", "--configuration", name, "--device", args.device, "--steps", str(args.steps),
+        "--width", str(args.width), "--batch", str(args.batch), "--validate-every", str(args.validate_every),
+        "--out", str(out), *(["--bf16"] if args.bf16 else []),
     ]  # fmt: skip
-    subprocess.run(command, check=True)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.job_timeout)
+    except subprocess.TimeoutExpired as expired:
+        return {"error": f"timed out after {args.job_timeout} s", "output": str(expired.stdout or "")[-3000:]}
+    if done.returncode != 0 or not (out / "rank0.json").is_file():
+        return {"error": f"exit code {done.returncode}", "output": (done.stdout + done.stderr)[-3000:]}
     return json.loads((out / "rank0.json").read_text())
 
 
 def summarize(results: dict[str, dict], warmup: int) -> str:
-    reference = results["zero3"]["losses"]
-    header = ["configuration", "median step (s)", "p10-p90 (s)", "host syncs", "events", "= ZeRO-3", "final loss"]
+    reference = next(iter(results.values()))
+    header = ["configuration", "backend", "median step (s)", "host syncs", "events", "stale reads", "= first row",
+              "final loss"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for name, record in results.items():
-        times = sorted(record["times"][warmup:])
-        spread = f"{times[len(times) // 10]:.4f}-{times[(9 * len(times)) // 10]:.4f}"
-        parity = "yes" if record["losses"] == reference else "no"
+        if "error" in record:
+            lines.append(f"| {name} | failed: {record['error']} |" + " |" * (len(header) - 2))
+            continue
+        times = sorted(record["times"][warmup:]) or record["times"]
+        backend = record["backend"] + (" (one GPU)" if record["shared_gpu"] else "")
+        relayed = record["relayed_through_host"]
+        backend += f", relayed: {', '.join(relayed)}" if relayed else ""
+        parity = "yes" if same_numbers(record, reference) else "no"
         lines.append(
-            f"| {name} | {statistics.median(times):.4f} | {spread} | {record['host_syncs']} | "
-            f"{record['events_recorded']} | {parity} | {record['losses'][-1]:.6g} |"
+            f"| {name} | {backend} | {statistics.median(times):.4f} | {record['host_syncs']} | "
+            f"{record['events_recorded']} | {record['stale_reads']} | {parity} | {record['losses'][-1]:.6g} |"
         )
     return "\n".join(lines)
 
 
-def refuse_missing_cuda(device: str) -> None:
+def same_numbers(record: dict, reference: dict) -> bool:
+    """Bit-identical training and validation losses (both runs completed)."""
+    if "error" in record or "error" in reference:
+        return False
+    return record["losses"] == reference["losses"] and record["val_losses"] == reference["val_losses"]
+
+
+def refuse_bad_arguments(args: argparse.Namespace) -> None:
     """Stop before launching any job: without CUDA every rank would fail and the summary would divide by zero."""
     import torch
 
-    if device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit(
             "hpz_sync_modes.py: --device cuda (the default) needs a CUDA GPU, and torch sees none. "
             "Run it on a GPU machine, or pass --device cpu for a plumbing check (CPU copies are synchronous, so "
             "the modes do not differ in time there)."
         )
+    unknown = [name for name in args.configurations.split(",") if name not in CONFIGURATIONS]
+    if unknown:
+        sys.exit(f"hpz_sync_modes.py: unknown configurations {unknown}; choose from {sorted(CONFIGURATIONS)}.")
+    if args.ranks < 4 or args.ranks % 2:
+        sys.exit(f"hpz_sync_modes.py: --ranks {args.ranks}: hpZ 2 needs an even number of ranks, at least 4.")
 
 
-def main() -> None:
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--bf16", action="store_true", help="bf16 weights and activations (DeepSpeed's bf16 mode)")
+    parser.add_argument("--validate-every", type=int, default=0, help="evaluate under inference_mode every N steps")
+    parser.add_argument("--configurations", default=DEFAULT_CONFIGURATIONS, help="comma-separated, first = reference")
+    parser.add_argument("--job-timeout", type=float, default=300, help="seconds one configuration may take")
     parser.add_argument("--out", default="results/hpz_sync_modes")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--hpz", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--sync", default="event", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--configuration", default="hpz2-event", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    args = parse_arguments(argv)
     if args.worker:
         worker(args)
-        return
-    refuse_missing_cuda(args.device)
-    results = {name: run_configuration(args, name, hpz or args.ranks, sync) for name, hpz, sync in CONFIGURATIONS}
+        return {}
+    refuse_bad_arguments(args)
+    results = {name: run_configuration(args, name) for name in args.configurations.split(",")}
     table = summarize(results, warmup=min(5, args.steps // 5))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
     (Path(args.out) / "results.md").write_text(table + "\n")
     print(table)
+    return results
 
 
 if __name__ == "__main__":
