@@ -88,3 +88,15 @@ def test_evaluation_took_the_branch_asked_for(launches):
     # on gloo Lightning evaluates under no_grad; the emulation makes it choose inference_mode, as on CUDA
     for name, record in _records(launches):
         assert record["inference_mode_seen"] == ([True] if "2 device" in name else [False]), name
+
+
+def test_four_ranks_hpz2_evaluates_after_fit_as_hpz1_does(module_tmp):
+    # the reproduction of issue 24 as filed: 4 processes, hpZ 2 over node halves, Lightning's CUDA evaluation branch
+    settings = {"hpz2": TWO_DEVICES["hpz2"], "stage3": TWO_DEVICES["stage3"]}
+    run = _launch(module_tmp, 4, settings, {})
+    for rank in range(4):
+        hpz, plain = run.ranks[rank]["hpz2"], run.ranks[rank]["stage3"]
+        assert hpz["inference_mode_seen"] == [True], rank
+        assert hpz["zero_config"]["zero_hpz_partition_size"] == 2
+        for key in ("untrained_val", "after_fit", "from_checkpoint"):
+            assert hpz[key] == plain[key], f"{key}, rank {rank}"
