@@ -57,10 +57,10 @@ class WeightsAfterEachStep(L.Callback):
         self.after[trainer.global_step - 1] = torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()])
 
 
-def fit(tmp_path, model, callbacks, steps):
+def fit(tmp_path, model, callbacks, steps, log_every=1):
     L.seed_everything(0, verbose=False)
     quiet = dict(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, logger=False)
-    quiet["log_every_n_steps"] = 1
+    quiet["log_every_n_steps"] = log_every
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks, default_root_dir=tmp_path, **quiet
     )
@@ -162,3 +162,11 @@ def test_throughput_counts_real_tokens_and_model_flops(tmp_path, monkeypatch):
     assert last["throughput/device/tflops_per_sec"] == pytest.approx(flops / elapsed / 1e12, rel=1e-9)
     assert last["throughput/device/mfu"] == pytest.approx(last["throughput/device/tflops_per_sec"], rel=1e-6)
     assert last["comm/inter_node_bytes_per_step"] == 0.0  # one device: nothing sent
+
+
+def test_callbacks_run_with_logging_off(tmp_path):
+    # log_every_n_steps=0 (Trainer(barebones=True), or logging off): the callbacks still read what the device holds
+    monitor, throughput = LossStabilityMonitor(warmup=3), TokenThroughputMonitor(window_size=2)
+    fit(tmp_path, TinyModel(), [monitor, throughput], steps=4, log_every=0)
+    assert [step for step, _ in monitor.losses] == [0, 1, 2, 3]
+    assert throughput.history == []  # nothing is logged when logging is off

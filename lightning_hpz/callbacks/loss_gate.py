@@ -40,6 +40,11 @@ class LossGate:
         self._limit_tensor: torch.Tensor | None = None
         self._spiky_in_a_row: torch.Tensor | None = None
 
+    @property
+    def armed(self) -> bool:
+        """Whether a limit is set: until the host has seen enough losses, no finite loss can be judged spiky."""
+        return math.isfinite(self._limit)
+
     def set_limit(self, limit: float) -> None:
         """The loss above which a finite loss is spiky, from now on (``inf`` while the statistics warm up)."""
         self._limit = limit

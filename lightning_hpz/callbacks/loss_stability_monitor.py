@@ -16,6 +16,7 @@ from typing_extensions import override
 from lightning_hpz import collectives
 from lightning_hpz.callbacks.loss_gate import LossGate
 from lightning_hpz.callbacks.pending_verdicts import PendingLoss, PendingStep, ReadLoss, read_pending
+from lightning_hpz.callbacks.reading_cadence import is_reading_step
 from lightning_hpz.callbacks.stability_detection import (
     ACTIONS,
     StabilityDecision,
@@ -50,13 +51,14 @@ class LossStabilityMonitor(Callback):
     the device), and the gradient norm is global, so every rank takes the same decision without further
     communication.
 
-    When values are read: the verdict on each loss is taken on its device (:class:`~lightning_hpz.callbacks.loss_gate.
-    LossGate`) against statistics frozen at the last read, and an update is dropped by a gradient factor that never
-    leaves the device. Under a DeepSpeed strategy with ``action="warn"`` or ``"skip"`` the host reads the values of
-    the steps since then once per ``trainer.log_every_n_steps`` (and at a checkpoint and at the end): a step that does
-    not log waits for nothing. Warnings, ``skipped`` and the report are written then. ``"stop"`` and ``"rollback"``
-    act on the host, so they read every micro-batch's verdict at once, as do other strategies (they drop an update
-    by clearing gradients on the host).
+    When values are read: the verdict on each loss is taken on its device (:class:`~lightning_hpz.callbacks.
+    loss_gate.LossGate`) against statistics frozen at the last read, and an update is dropped by a gradient factor
+    that never leaves the device. Under a DeepSpeed strategy with ``action="warn"`` or ``"skip"`` the host reads the
+    values of the steps since then once per ``trainer.log_every_n_steps`` (and at a checkpoint and at the end): a step
+    that does not log waits for nothing (the first steps, until ``warmup`` losses are known, are read at once).
+    Warnings, ``skipped`` and the report are written then. ``"stop"`` and ``"rollback"`` act on the host, so they
+    read every micro-batch's verdict at once, as do other strategies (they drop an update by clearing gradients on
+    the host).
 
     Args:
         action: ``"warn"``; ``"stop"``: drop the offending update, save ``stopped-step<N>.ckpt`` into ``dirpath`` and
@@ -128,6 +130,7 @@ class LossStabilityMonitor(Callback):
         self._step_drops: list[torch.Tensor] = []
         self._scale_before_step: Optional[dict[str, Any]] = None
         self._reads_every_step = True
+        self._accumulate = 1
         self._step = -1
         self._batch_key = (0, 0)
         self._decision = StabilityDecision()
@@ -157,7 +160,7 @@ class LossStabilityMonitor(Callback):
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        self._step = trainer.global_step
+        self._step, self._accumulate = trainer.global_step, trainer.accumulate_grad_batches
         mean_loss = _mean_over_ranks(loss.detach().float() * trainer.accumulate_grad_batches)
         verdict = self.gate.judge(mean_loss, listed=self._batch_key in self.skip_batches)
         if isinstance(trainer.strategy, DeepSpeedStrategy):
@@ -167,7 +170,7 @@ class LossStabilityMonitor(Callback):
         self._pending.append(PendingLoss(self._step, self._batch_key, mean_loss, verdict))
         self._step_drops.append(verdict.drop)
         if self._reads_every_step:
-            (judged,) = self._judge_pending(trainer)
+            (judged,) = self._judge_pending()
             self._decision, self._step_events = judged.decision, judged.events
             self._clear_gradients |= judged.decision.skip_update and not isinstance(trainer.strategy, DeepSpeedStrategy)
 
@@ -198,8 +201,8 @@ class LossStabilityMonitor(Callback):
         if not self._reads_every_step:
             if stepped:
                 self._pending.append(self._pending_step(trainer))
-                if trainer.global_step % trainer.log_every_n_steps == 0:
-                    self._judge_pending(trainer)
+                if is_reading_step(trainer) or not self.gate.armed:  # each step until spikes can be judged
+                    self._judge_pending()
             return
         decision, events = self._decision, list(self._step_events)
         grad_norm = self._global_grad_norm(trainer, decision) if stepped else None
@@ -229,7 +232,7 @@ class LossStabilityMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._judge_pending(trainer)
+        self._judge_pending()
         if trainer.is_global_zero:
             self._write_report(trainer)
         if self.stop_checkpoint is not None:  # the same decision on every rank: all leave with the same exit code
@@ -271,7 +274,7 @@ class LossStabilityMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        self._judge_pending(None)  # a checkpoint carries every skip decided so far
+        self._judge_pending()  # a checkpoint carries every skip decided so far
         return {"skip_batches": sorted(self.skip_batches), "rollbacks": self.rollbacks, "skipped": self.skipped}
 
     @override
@@ -281,7 +284,7 @@ class LossStabilityMonitor(Callback):
         self.skipped = list(state_dict.get("skipped", []))
 
     # ------------------------------------------------------------------------------------------------ reading
-    def _judge_pending(self, trainer: Optional[Trainer]) -> list[JudgedLoss]:
+    def _judge_pending(self) -> list[JudgedLoss]:
         """Read what the device decided since the last read and replay it through the detectors.
 
         Returns the judgement of each pending loss. Reading every micro-batch, the caller acts on it; reading every
@@ -292,8 +295,8 @@ class LossStabilityMonitor(Callback):
         for record in read_pending(pending):
             if isinstance(record, ReadLoss):
                 judged.append(self._judge_loss(record))
-            elif trainer is not None:
-                self._judge_step(trainer, record.step, record.applied, record.grad_norm)
+            else:
+                self._judge_step(record.step, record.applied, record.grad_norm)
         self.state.freeze()  # the device judges the next losses against the statistics as they are now
         self.gate.set_limit(self.state.loss_limit())
         return judged
@@ -312,10 +315,10 @@ class LossStabilityMonitor(Callback):
                 self._report(record.step, events, decision)
         return JudgedLoss(decision, events)
 
-    def _judge_step(self, trainer: Trainer, step: int, applied: bool, grad_norm: Optional[float]) -> None:
+    def _judge_step(self, step: int, applied: bool, grad_norm: Optional[float]) -> None:
         dropped = step in self._dropped_steps
         self._dropped_steps.discard(step)
-        if dropped and applied and trainer.accumulate_grad_batches == 1:
+        if dropped and applied and self._accumulate == 1:
             raise _not_skipped(step)
         if applied and grad_norm is not None:
             events = self.state.observe_grad_norm(step, grad_norm)

@@ -16,6 +16,7 @@ from lightning_hpz import collectives
 from lightning_hpz.callbacks.batch_tokens import BatchTokens, _detect_batch_tokens
 from lightning_hpz.callbacks.model_flops import TransformerShape, shape_from_config, training_flops
 from lightning_hpz.callbacks.peak_flops import peak_flops_for
+from lightning_hpz.callbacks.reading_cadence import is_reading_step
 from lightning_hpz.callbacks.step_clock import StepClock
 from lightning_hpz.callbacks.strategy_traffic import strategy_traffic
 from lightning_hpz.planning import TrafficEstimate
@@ -121,7 +122,7 @@ class TokenThroughputMonitor(Callback):
         self._clock.mark()
         self._unread.append([self._step_tokens, *self._step_host_counts])
         self._step_tokens, self._step_host_counts = 0.0, [0.0, 0.0]
-        if (trainer.global_step % trainer.log_every_n_steps) == 0:
+        if is_reading_step(trainer):
             self._read_steps(trainer)
             self._log(trainer, pl_module)
 
