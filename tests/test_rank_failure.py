@@ -24,6 +24,7 @@ def test_script_catching_the_error_exits_zero_after_cleanup_on_every_rank(tmp_pa
     for rank, record in run.ranks.items():
         assert record["cleanup_done"]
         assert record["caught"] == f"RuntimeError: deliberate failure on rank {rank}"
+        assert record["threads_left"] == []  # the launching rank's watch of its peers ended with the Trainer
 
 
 def test_failure_on_rank_0_with_peer_blocked_in_a_collective_ends(tmp_path):
@@ -32,7 +33,8 @@ def test_failure_on_rank_0_with_peer_blocked_in_a_collective_ends(tmp_path):
     options = {"phase": "test", "fail_on_ranks": [0], "catch": True, "grace": 5}
     run = run_script("rank_failure.py", options, out, timeout=300)  # the process-group timeout would be 30 min
     assert run.returncode == 0, run.output[-4000:]
-    assert run.ranks[0] == {"rank": 0, "caught": "RuntimeError: deliberate failure on rank 0", "cleanup_done": True}
+    caught = "RuntimeError: deliberate failure on rank 0"
+    assert run.ranks[0] == {"rank": 0, "caught": caught, "cleanup_done": True, "threads_left": []}
     # rank 1 either left its collective with an error and cleaned up, or was killed as stuck after the grace period
     if 1 in run.ranks:
         assert run.ranks[1]["caught"].startswith("RuntimeError")

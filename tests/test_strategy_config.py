@@ -89,3 +89,15 @@ def test_cli_lists_strategies():
     assert result.returncode == 0, result.stderr
     names = [line.split()[0] for line in result.stdout.strip().splitlines()]
     assert names == [name for name, _, _ in lightning_hpz.STRATEGY_PRESETS]
+
+
+def test_registry_entries_are_the_strategy_classes():
+    # Lightning's registry contract: the entry's "strategy" is the class, and code checks it with issubclass
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    for name, _, _ in lightning_hpz.STRATEGY_PRESETS:
+        assert StrategyRegistry[name]["strategy"] is HpzStrategy, name
+        assert issubclass(StrategyRegistry[name]["strategy"], DeepSpeedStrategy)
+        assert STRATEGY_REGISTRY[name]["strategy"] is lightning_hpz.HpzFabricStrategy, name
+        assert StrategyRegistry.get(name).preset_name == name

@@ -10,6 +10,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.strategies.deepspeed import _validate_checkpoint_directory
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hpz import collectives
@@ -24,8 +25,9 @@ NO_MANIFEST_WARNING = (
 def prepare_load(strategy: Any, checkpoint_path: Any) -> tuple[Path, contextlib.AbstractContextManager]:
     """The directory DeepSpeed should load, and the context to load it in; raises on every rank if it must not."""
     path = Path(checkpoint_path)
-    if not path.is_dir():
-        return path, contextlib.nullcontext()  # not a sharded checkpoint: Lightning's own check says what is wrong
+    # Lightning's own check first: a wrong path gets its guidance (a subfolder or a file inside a checkpoint: "try
+    # to load using this parent directory instead"), the same FileNotFoundError as with Lightning's strategy
+    _validate_checkpoint_directory(path)
     recorded = manifest.read_manifest(path)
     if recorded is None:
         rank_zero_warn(NO_MANIFEST_WARNING.format(path=path))

@@ -68,6 +68,8 @@ class HpzSetup(LayoutChecks, DeepSpeedEnvironment, SecondaryVerification, Autotu
         config: a DeepSpeed config dict or JSON path (default: the file named by ``PL_DEEPSPEED_CONFIG_PATH``, as in
             Lightning), merged over the strategy's defaults (nested sections key by key); a value given both here and
             as one of the arguments above must agree.
+        preset_name: the registered name this strategy was built from (``"zeropp"``, ...), which Lightning's registry
+            passes; used in messages only.
         **kwargs: every other argument of Lightning's ``DeepSpeedStrategy`` (offload, buckets, activation
             checkpointing, ``logging_level``, ``timeout``, ...).
     """
@@ -85,6 +87,7 @@ class HpzSetup(LayoutChecks, DeepSpeedEnvironment, SecondaryVerification, Autotu
         autotune_memory_gib: Optional[float] = None,
         autotune_checkpoint: Union[str, Path, None] = None,
         config: Union[dict[str, Any], str, Path, None] = None,
+        preset_name: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         if hpz_sync not in SYNC_MODES:
@@ -111,7 +114,7 @@ class HpzSetup(LayoutChecks, DeepSpeedEnvironment, SecondaryVerification, Autotu
         )
         self.autotune_checkpoint = autotune_checkpoint
         self.hpz_partition_size: Optional[int] = None  # resolved once the cluster layout is known
-        self.preset_name: Optional[str] = None  # the registered name it was built from, for messages
+        self.preset_name = preset_name
         self.copy_ordering: Optional[partitioning.CopyOrdering] = None
         self._cuda_evaluation = None  # Lightning's CUDA evaluation branch, emulated on CPU when asked for
         self._verify_at_next_step = False
@@ -128,17 +131,8 @@ class HpzSetup(LayoutChecks, DeepSpeedEnvironment, SecondaryVerification, Autotu
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
+        # The entry is the class itself, as Lightning's registry contract has it (code reads the class from it);
+        # the name travels as an argument, so that messages can say which registered name was asked for.
         for name, description, kwargs in STRATEGY_PRESETS:
             if name not in strategy_registry:
-                strategy_registry.register(name, _built_as(cls, name), description=description, **kwargs)
-
-
-def _built_as(cls: type, preset_name: str) -> Any:
-    """What the registry calls for a name: the strategy, remembering the name so messages can use it."""
-
-    def build(**kwargs: Any) -> Any:
-        strategy = cls(**kwargs)
-        strategy.preset_name = preset_name
-        return strategy
-
-    return build
+                strategy_registry.register(name, cls, description=description, preset_name=name, **kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import threading
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any, Optional
@@ -67,6 +68,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         self.failure_grace_period = failure_grace_period
         self._resumed_data_order: Optional[dict[str, Any]] = None  # set by a checkpoint load, checked on the data
         self.handle_preemption = handle_preemption
+        self._peer_watch: Optional[threading.Thread] = None  # after a failure: this node's other ranks, until teardown
 
     @override
     def _configure_launcher(self) -> None:
@@ -145,7 +147,19 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         # Peers would wait for this rank in their next collective until the timeout: release them (rank_failure.py).
         # The children of Lightning's subprocess launcher (its `procs`) still stuck after the grace period are killed.
         children = self.launcher.procs if isinstance(self.launcher, _SubprocessScriptLauncher) else None
-        rank_failure.release_peers(children, self.failure_grace_period)
+        self._peer_watch = rank_failure.release_peers(children, self.failure_grace_period)
+
+    @override
+    def teardown(self) -> None:
+        # Lightning tears down after on_exception: the watch of this node's other ranks ends with the Trainer's run,
+        # as soon as each has left its collectives or exited (or was killed, stuck, after the grace period), so no
+        # thread of this package outlives the Trainer call.
+        try:
+            super().teardown()
+        finally:
+            watch, self._peer_watch = self._peer_watch, None
+            if watch is not None:
+                watch.join()
 
     @override
     def _autotune_wanted(self) -> bool:
