@@ -101,3 +101,4 @@ def test_registry_entries_are_the_strategy_classes():
         assert issubclass(StrategyRegistry[name]["strategy"], DeepSpeedStrategy)
         assert STRATEGY_REGISTRY[name]["strategy"] is lightning_hpz.HpzFabricStrategy, name
         assert StrategyRegistry.get(name).preset_name == name
+        assert STRATEGY_REGISTRY.get(name).preset_name == name
