@@ -27,8 +27,10 @@ and match ZeRO-3 bit for bit.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +58,8 @@ CONFIGURATIONS = {
 }
 DEFAULT_CONFIGURATIONS = "zero3-stock,hpz1-event,hpz2-none,hpz2-stream,hpz2-event"
 LATE_CYCLES = 20_000_000  # about 10 ms of GPU time before each secondary copy
+PROCESS_GROUP_TIMEOUT_S = 90
+REPO = Path(__file__).resolve().parents[1]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -78,7 +82,15 @@ def worker(args: argparse.Namespace) -> None:
     import deepspeed
 
     ordering = None if configuration.stock else lightning_hpz.partitioning.install(configuration.sync)
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu and not shared_gpu else "gloo")
+    timeout = datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)  # a hung collective ends the job, not the GPU time
+    if on_gpu and not shared_gpu:
+        deepspeed.init_distributed(dist_backend="nccl", timeout=timeout)
+    else:
+        # DeepSpeed would bind the gloo group to cuda:LOCAL_RANK (device_id), and torch then splits every new group
+        # with a call gloo lacks (perform_nocolor_split), so hpZ's groups could not be built: start the group here,
+        # unbound; DeepSpeed adopts a group that exists
+        torch.distributed.init_process_group("gloo", timeout=timeout)
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     gloo_refused = _prepare_shared_gpu(device) if shared_gpu else {}
     probe = _stale_read_probe(ordering, device, configuration) if on_gpu else None
@@ -101,7 +113,7 @@ def _prepare_shared_gpu(device: object) -> dict[str, str]:
     from shared_gpu import probe_gloo_cuda, relay_through_host
 
     refused = probe_gloo_cuda(device)
-    relay_through_host(list(refused))
+    relay_through_host(list(refused))  # before the engine is built: DeepSpeed keeps its own references from then on
     return refused
 
 
@@ -163,7 +175,11 @@ def _train(args: argparse.Namespace, engine: object, device: object, rank: int) 
 
 
 def run_configuration(args: argparse.Namespace, name: str) -> dict:
-    """One configuration's job; a job that fails gives its exit code and the end of its output instead."""
+    """One configuration's job; a job that fails gives its exit code and the end of its output instead.
+
+    The job runs in a process group of its own, killed whole on a timeout: ranks left behind would hold the GPU.
+    The ranks import this checkout's lightning_hpz, whatever is installed.
+    """
     out = Path(args.out) / name
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}", __file__,
@@ -171,12 +187,18 @@ def run_configuration(args: argparse.Namespace, name: str) -> dict:
         "--width", str(args.width), "--batch", str(args.batch), "--validate-every", str(args.validate_every),
         "--out", str(out), *(["--bf16"] if args.bf16 else []),
     ]  # fmt: skip
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                           start_new_session=True)  # fmt: skip
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.job_timeout)
-    except subprocess.TimeoutExpired as expired:
-        return {"error": f"timed out after {args.job_timeout} s", "output": str(expired.stdout or "")[-3000:]}
-    if done.returncode != 0 or not (out / "rank0.json").is_file():
-        return {"error": f"exit code {done.returncode}", "output": (done.stdout + done.stderr)[-3000:]}
+        output, _ = job.communicate(timeout=args.job_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
+        return {"error": f"timed out after {args.job_timeout} s", "output": (output or "")[-3000:]}
+    if job.returncode != 0 or not (out / "rank0.json").is_file():
+        return {"error": f"exit code {job.returncode}", "output": (output or "")[-3000:]}
     return json.loads((out / "rank0.json").read_text())
 
 
@@ -235,7 +257,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bf16", action="store_true", help="bf16 weights and activations (DeepSpeed's bf16 mode)")
     parser.add_argument("--validate-every", type=int, default=0, help="evaluate under inference_mode every N steps")
     parser.add_argument("--configurations", default=DEFAULT_CONFIGURATIONS, help="comma-separated, first = reference")
-    parser.add_argument("--job-timeout", type=float, default=300, help="seconds one configuration may take")
+    parser.add_argument("--job-timeout", type=float, default=120, help="seconds one configuration may take")
     parser.add_argument("--out", default="results/hpz_sync_modes")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--configuration", default="hpz2-event", help=argparse.SUPPRESS)
@@ -248,10 +270,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         worker(args)
         return {}
     refuse_bad_arguments(args)
-    results = {name: run_configuration(args, name) for name in args.configurations.split(",")}
-    table = summarize(results, warmup=min(5, args.steps // 5))
+    results: dict[str, dict] = {}
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
+    for name in args.configurations.split(","):
+        results[name] = run_configuration(args, name)
+        # after each job: a later hang or kill loses nothing already measured
+        (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
+    table = summarize(results, warmup=min(5, args.steps // 5))
     (Path(args.out) / "results.md").write_text(table + "\n")
     print(table)
     return results

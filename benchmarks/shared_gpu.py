@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 RELAYED = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast", "all_gather")
-OUTPUT_KEYWORDS = ("output_tensor", "output", "tensor", "tensor_list")  # the first parameter's name in each
+# the first parameter's name in each; "tensor_list" before "tensor": all_gather passes both, and writes the list
+OUTPUT_KEYWORDS = ("output_tensor", "output", "tensor_list", "tensor")
 
 
 def probe_gloo_cuda(device: torch.device) -> dict[str, str]:
@@ -63,6 +64,21 @@ def relay_through_host(names: list[str], relays: Callable[[torch.Tensor], bool] 
     for name in names:
         original = getattr(dist, name)
         setattr(dist, name, _relayed(original, relays))
+    _repoint_deepspeed_references(names)
+
+
+def _repoint_deepspeed_references(names: list[str]) -> None:
+    """DeepSpeed's torch backend keeps its own references to the two gathers/scatters ZeRO-3 issues most (taken when
+    the process group started): point them at the relayed functions too."""
+    try:
+        from deepspeed.comm import comm
+    except ImportError:
+        return
+    backend = getattr(comm, "cdb", None)
+    for attribute, name in (("all_gather_function", "all_gather_into_tensor"),
+                            ("reduce_scatter_function", "reduce_scatter_tensor")):  # fmt: skip
+        if backend is not None and name in names and hasattr(backend, attribute):
+            setattr(backend, attribute, getattr(dist, name))
 
 
 def _relayed(original: Callable[..., Any], relays: Callable[[torch.Tensor], bool]) -> Callable[..., Any]:

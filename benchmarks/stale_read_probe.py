@@ -32,7 +32,8 @@ class StaleReadProbe:
         self._wrap(ordering)
 
     def count(self) -> int:
-        """Gathers that read a secondary shard before its copy landed (one host read)."""
+        """Gathers that read a secondary shard before its copy landed (one host read, after every stream's work)."""
+        torch.cuda.synchronize()  # the counter is written on the gathering stream
         return int(self._stale.item())
 
     def _wrap(self, ordering: Any) -> None:

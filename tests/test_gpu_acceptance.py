@@ -41,8 +41,8 @@ def test_hpz_ranks_on_this_machine(tmp_path):
 
 def _ranks_results(**changes):
     """What hpz_sync_modes.py writes for the hpz_ranks configurations, made up: a run where all went right."""
-    run = {"losses": [2.0, 1.5], "val_losses": [1.4], "times": [0.2] * 8, "stale_reads": 0, "backend": "gloo",
-           "shared_gpu": True, "relayed_through_host": {}}  # fmt: skip
+    run = {"losses": [2.0, 1.5], "val_losses": [1.4], "times": [0.2] * 8, "stale_reads": 0, "gathers_checked": 40,
+           "backend": "gloo", "shared_gpu": True, "relayed_through_host": {}}  # fmt: skip
     results = {name: dict(run) for name in _acceptance().RANKS_CONFIGURATIONS.split(",")}
     results["hpz2-none-late"].update(stale_reads=3, losses=[2.0, 9.0])
     results["hpz2-stream"]["times"] = [0.3] * 8
@@ -59,6 +59,7 @@ def _ranks_results(**changes):
         ({"hpz2-event-late": {"losses": [2.0, 1.6]}}, "FAIL"),  # a late copy changed the numbers despite ordering
         ({"hpz2-none-late": {"stale_reads": 0}}, "FAIL"),  # the race was not seen: the probe proves nothing
         ({"hpz2-event-late": {"stale_reads": 1}}, "FAIL"),
+        ({"hpz2-event-late": {"gathers_checked": 0}}, "FAIL"),  # the probe never ran: its 0 proves nothing
         ({"hpz1-event": {"error": "exit code 1"}}, "FAIL"),
     ],
 )

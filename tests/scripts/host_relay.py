@@ -41,7 +41,7 @@ def calls(rank: int, world: int) -> dict:
 
     def all_gather(async_op):
         pieces, piece = [torch.zeros(2) for _ in range(world)], torch.full((2,), rank + 0.5)
-        _finish(dist.all_gather(pieces, piece, async_op=async_op))
+        _finish(dist.all_gather(tensor_list=pieces, tensor=piece, async_op=async_op))  # by keyword, as DeepSpeed
         return torch.cat(pieces), piece
 
     return dict(zip(RELAYED, (gather_into_tensor, reduce_scatter, all_reduce, broadcast, all_gather), strict=True))
