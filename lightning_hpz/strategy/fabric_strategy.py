@@ -79,9 +79,23 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, **kwargs)
+        output = super().optimizer_step(self._stepped_through_engine(optimizer, kwargs), **kwargs)
         self._note_optimizer_step()
         return output
+
+    def _stepped_through_engine(self, optimizer: Any, kwargs: dict[str, Any]) -> Any:
+        """The engine, when Fabric hands over the engine's own optimizer (it does: Fabric's ``_FabricOptimizer`` steps
+        the engine only when the engine passes its ``Optimizable`` check, which DeepSpeed's does not).
+
+        Stepping the ZeRO optimizer directly skips what ``DeepSpeedEngine.step()`` does around it: the scheduler of
+        the DeepSpeed config, the global step and sample counters (checkpoints record them), the accumulation
+        boundary and what happens there, the monitor. A closure (``step(closure)``) keeps Fabric's own path: the
+        engine's ``step()`` takes none.
+        """
+        engine = self._deepspeed_engine
+        if engine is None or "closure" in kwargs or optimizer is not getattr(engine, "optimizer", None):
+            return optimizer
+        return engine
 
     @override
     def load_checkpoint(
