@@ -31,3 +31,12 @@ def test_scheduler_and_counters_follow_the_loop(module_tmp, stage):
     for rank, record in run.ranks.items():
         assert record["global_steps"] == STEPS, rank
         assert record["rates"] == pytest.approx(expected, rel=1e-12), rank
+
+
+def test_the_loops_own_scheduler_steps_once_per_step(module_tmp):
+    # passed to fabric.setup and stepped by the loop, as under every Fabric strategy: the engine must not step it too
+    run = run_script("fabric_engine_steps.py", {"stage": 3, "steps": STEPS, "own_scheduler": True}, module_tmp / "own")
+    assert_succeeded(run, ranks=2)
+    for rank, record in run.ranks.items():
+        assert record["global_steps"] == STEPS, rank
+        assert record["rates"] == pytest.approx([0.01 * 0.5 ** (step + 1) for step in range(STEPS)]), rank

@@ -51,7 +51,12 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     def _initialize_engine(
         self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None
     ) -> tuple[Any, Any, Any]:
-        engine, deepspeed_optimizer, _, deepspeed_scheduler = self._initialize_deepspeed(model, optimizer, scheduler)
+        # A scheduler the loop hands to `fabric.setup` stays the loop's to step, as under every Fabric strategy: the
+        # engine, which `optimizer.step()` steps (see `optimizer_step`), would step it a second time. The engine keeps
+        # only a scheduler built from the DeepSpeed config.
+        engine, deepspeed_optimizer, _, deepspeed_scheduler = self._initialize_deepspeed(model, optimizer, None)
+        if scheduler is not None:
+            deepspeed_scheduler = scheduler
         if self.zero_stage_3:
             partitioning.order_converted_parameters(model)  # converted by a zero.Init outside fabric.init_module
         self._watch_load_state_dict(model)
