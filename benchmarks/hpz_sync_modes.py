@@ -113,7 +113,7 @@ def _prepare_shared_gpu(device: object) -> dict[str, str]:
     from shared_gpu import probe_gloo_cuda, relay_through_host
 
     refused = probe_gloo_cuda(device)
-    relay_through_host(list(refused))  # before the engine is built: DeepSpeed keeps its own references from then on
+    relay_through_host(list(refused))  # before the engine is built; DeepSpeed's saved references are repointed too
     return refused
 
 
