@@ -92,13 +92,6 @@ def control_group() -> Any:
     return _CONTROL_GROUPS[world]
 
 
-def destroy_control_groups() -> None:
-    """Release the gloo control groups :func:`control_group` built (a local operation for gloo)."""
-    while _CONTROL_GROUPS:
-        _, group = _CONTROL_GROUPS.popitem()
-        dist.destroy_process_group(group)
-
-
 def all_gather_tensor(tensor: torch.Tensor, group: Optional[Any] = None) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape on each), in rank order, on ``tensor``'s device."""
     if not is_distributed():

@@ -15,7 +15,6 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_hpz import partitioning
-from lightning_hpz.lifecycle.process_group_exit import destroy_gloo_groups_at_exit
 from lightning_hpz.strategy.cuda_semantics import CudaEvaluationContext, cuda_semantics_requested
 
 
@@ -81,7 +80,6 @@ class DeepSpeedEnvironment:
     def _init_deepspeed_distributed(self) -> None:
         super()._init_deepspeed_distributed()
         self._check_secondary_groups_within_nodes()
-        destroy_gloo_groups_at_exit()  # gloo groups left at exit can abort a finished run (see that module)
 
     def _initialize_deepspeed(
         self, model: torch.nn.Module, optimizer: Any = None, lr_scheduler: Any = None
