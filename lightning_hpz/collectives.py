@@ -35,14 +35,20 @@ def collective_device(group: Optional[Any] = None) -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Optional[Any] = None) -> torch.Tensor:
-    """A reduced copy of ``tensor`` on ``tensor``'s own device; ``tensor`` itself is left unchanged."""
+def _reduce_op(op: str) -> Any:
+    """torch's ``ReduceOp`` for ``op``, or a ValueError naming the choices (checked before any rank communicates)."""
     if op not in _REDUCE_OPS:
         raise ValueError(f"op={op!r}: choose one of {sorted(_REDUCE_OPS)}")
+    return getattr(dist.ReduceOp, _REDUCE_OPS[op])
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Optional[Any] = None) -> torch.Tensor:
+    """A reduced copy of ``tensor`` on ``tensor``'s own device; ``tensor`` itself is left unchanged."""
+    reduce_op = _reduce_op(op)
     if not is_distributed():
         return tensor.clone()
     placed = tensor.detach().to(collective_device(group), copy=True)
-    dist.all_reduce(placed, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]), group=group)
+    dist.all_reduce(placed, op=reduce_op, group=group)
     return placed.to(tensor.device)
 
 
@@ -61,12 +67,10 @@ class PendingReduction:
     """
 
     def __init__(self, values: list[float], op: str = "sum") -> None:
-        if op not in _REDUCE_OPS:
-            raise ValueError(f"op={op!r}: choose one of {sorted(_REDUCE_OPS)}")
+        reduce_op = _reduce_op(op)
         self._values = torch.tensor(values, dtype=torch.float64)
         self._work = None
         if is_distributed():
-            reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[op])
             self._work = dist.all_reduce(self._values, op=reduce_op, group=control_group(), async_op=True)
 
     def result(self) -> list[float]:

@@ -208,7 +208,7 @@ class LossStabilityMonitor(Callback):
         grad_norm = self._global_grad_norm(trainer, decision) if stepped else None
         if grad_norm is not None:
             grad_events = self.state.observe_grad_norm(self._step, grad_norm)
-            grad_decision = _decide(grad_events, self.action, self.max_rollbacks - len(self.rollbacks))
+            grad_decision = self._decide(grad_events)
             decision = _merge(decision, grad_decision)
             events += grad_events
         self.events += events
@@ -303,7 +303,7 @@ class LossStabilityMonitor(Callback):
 
     def _judge_loss(self, record: ReadLoss) -> JudgedLoss:
         events = self.state.observe_loss(record.step, record.loss, spiky=record.spiky)
-        decision = _decide(events, self.action, self.max_rollbacks - len(self.rollbacks))
+        decision = self._decide(events)
         decision = replace(decision, skip_update=record.drop)  # what the device did (the skip list included)
         self.losses.append((record.step, record.loss))
         if not self._reads_every_step:  # warn or skip: nothing is left to do on the host but to record it
@@ -324,7 +324,7 @@ class LossStabilityMonitor(Callback):
             events = self.state.observe_grad_norm(step, grad_norm)
             self.events += events
             if events:  # known after the update was applied: warned about (see ``_decide``)
-                self._report(step, events, _decide(events, self.action, self.max_rollbacks - len(self.rollbacks)))
+                self._report(step, events, self._decide(events))
 
     def _keep_loss_scale_of_dropped_step(self, trainer: Trainer) -> None:
         """Under fp16, undo what a step this monitor dropped did to DeepSpeed's loss scaler.
@@ -357,6 +357,9 @@ class LossStabilityMonitor(Callback):
             return None
         norm = engine.get_global_grad_norm()
         return None if norm is None else float(norm)
+
+    def _decide(self, events: list[StabilityEvent]) -> StabilityDecision:
+        return _decide(events, self.action, self.max_rollbacks - len(self.rollbacks))
 
     def _record_skip(self, step: int, batch_key: tuple[int, int], events: list[StabilityEvent]) -> None:
         reason = ",".join(e.kind for e in events) or "skip list"

@@ -74,10 +74,16 @@ def _mean_and_deviation(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
 
 
+def _floored_spread(values: Sequence[float], min_relative_std: float) -> tuple[float, float]:
+    """The mean of ``values`` and their deviation, floored (see thresholds) so a flat series has a usable scale."""
+    mean, deviation = _mean_and_deviation(values)
+    return mean, max(deviation, min_relative_std * abs(mean), 1e-12)
+
+
 def _zscore(history: Sequence[float], value: float, min_relative_std: float) -> float:
     """How many deviations ``value`` lies above the mean of ``history`` (deviation floored, see thresholds)."""
-    mean, deviation = _mean_and_deviation(history)
-    return (value - mean) / max(deviation, min_relative_std * abs(mean), 1e-12)
+    mean, deviation = _floored_spread(history, min_relative_std)
+    return (value - mean) / deviation
 
 
 def _detect_spike(history: Sequence[float], value: float, warmup: int, threshold: float, floor: float) -> float:
@@ -114,8 +120,8 @@ class SeriesTracker:
         values = self.judged_against()
         if len(values) < warmup:
             return math.inf
-        mean, deviation = _mean_and_deviation(values)
-        return mean + threshold * max(deviation, floor * abs(mean), 1e-12)
+        mean, deviation = _floored_spread(values, floor)
+        return mean + threshold * deviation
 
 
 @dataclass
