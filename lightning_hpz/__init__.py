@@ -18,6 +18,7 @@ _LAZY_ATTRIBUTES = {
     "HpzStrategy": "strategy",
     "SecondaryPartitionMismatchError": "partitioning",
     "check_secondary_partitions": "partitioning",
+    "initialize_by_name": "models",
     "refresh_secondary_partitions": "partitioning",
 }
 __getattr__, __dir__ = lazy_names(__name__, _LAZY_ATTRIBUTES)
@@ -33,5 +34,6 @@ __all__ = [
     "SecondaryPartitionMismatchError",
     "__version__",
     "check_secondary_partitions",
+    "initialize_by_name",
     "refresh_secondary_partitions",
 ]

@@ -18,6 +18,7 @@ _LAZY_ATTRIBUTES = {
     "UnknownPresetError": "presets",
     "count_parameters": "presets",
     "get_preset": "presets",
+    "initialize_by_name": "initialization_by_name",
     "PretrainedModelError": "pretrained",
     "export_pretrained": "pretrained",
     "load_pretrained_weights": "pretrained",

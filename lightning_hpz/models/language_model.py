@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 
 from lightning_hpz.models.architectures import build_hf_model, hf_config, is_encoder_decoder
 from lightning_hpz.models.compatibility import check_data_fits_model
+from lightning_hpz.models.initialization_by_name import draw_seed, initialize_by_name, name_seed
 from lightning_hpz.models.optimization import warmup_cosine, weight_decay_groups
 from lightning_hpz.models.presets import get_preset
 from lightning_hpz.models.pretrained import export_pretrained, load_pretrained_weights, read_pretrained_config
@@ -38,6 +39,10 @@ class LanguageModel(L.LightningModule):
         min_lr_ratio: final learning rate as a share of the peak.
         activation_checkpointing: recompute each layer's activations in backward instead of storing them.
         export_dir: where to write the trained model as a Hugging Face directory when training ends.
+        layout_independent_init: draw each module's initial weights from a generator seeded with (seed, its name),
+            and leave torch's generator in a state set by the seed alone after the build, so that the same seed gives
+            bit-identical weights (and dropout) under ZeRO-1, 2, 3, any hpZ size and any number of ranks. False:
+            transformers' own draws, which under ZeRO-3 come in another order and give another model. Default True.
     """
 
     family = ""
@@ -53,6 +58,7 @@ class LanguageModel(L.LightningModule):
         min_lr_ratio: float = 0.1,
         activation_checkpointing: bool = False,
         export_dir: Optional[str] = None,
+        layout_independent_init: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -83,13 +89,23 @@ class LanguageModel(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
+        # Drawn before the build: ZeRO-1/2 and ZeRO-3 builds consume torch's generator differently from here on.
+        seed = draw_seed() if self.hparams.layout_independent_init else None
         self.model = build_hf_model(self.family, self.hf_config)
-        if self.hparams.pretrained is not None:
-            load_pretrained_weights(self.model, self.hparams.pretrained)
-        else:
-            initialize_partitioned_weights(self.model)  # no-op unless zero.Init partitioned the layers as built
+        self._initialize_weights(seed)
         if self.hparams.activation_checkpointing:
             self._enable_activation_checkpointing()
+
+    def _initialize_weights(self, seed: Optional[int]) -> None:
+        assert self.model is not None
+        if self.hparams.pretrained is not None:
+            load_pretrained_weights(self.model, self.hparams.pretrained)
+        elif seed is not None:
+            initialize_by_name(self.model, seed=seed)
+        else:
+            initialize_partitioned_weights(self.model)  # no-op unless zero.Init partitioned the layers as built
+        if seed is not None:
+            torch.manual_seed(name_seed(seed, "after the build"))  # dropout then draws alike under every layout
 
     def _enable_activation_checkpointing(self) -> None:
         # transformers 5 renamed gradient_checkpointing_enable (deprecated there; 4.x has only the old name).

@@ -34,7 +34,7 @@ def gathered(params: Iterable[torch.Tensor], modifier_rank: Optional[int] = None
         yield
 
 
-def _init_targets(module: nn.Module) -> list[torch.Tensor]:
+def init_targets(module: nn.Module) -> list[torch.Tensor]:
     """Parameters a transformers ``_init_weights(module)`` may write: its own and those of its leaf children.
 
     (T5 initialises ``shared`` and ``lm_head`` from the top-level model, its attention's q/k/v/o from the attention
@@ -51,14 +51,16 @@ def initialize_partitioned_weights(model: nn.Module) -> None:
     Built inside ``zero.Init``, each layer is partitioned as soon as it exists, so the model's ``post_init`` finds
     empty tensors and the weights keep PyTorch's layer defaults (an N(0, 1) embedding, tied to Falcon's output
     layer, starts training at a loss of about 50). Here every module is initialised with its parameters gathered,
-    on rank 0, and the result is re-partitioned to all ranks.
+    on rank 0, and the result is re-partitioned to all ranks. The draws come in another order than in a ZeRO-1/2
+    build, so the same seed gives other weights: :func:`~lightning_hpz.models.initialize_by_name` does not (this is
+    what ``layout_independent_init=False`` keeps).
     """
     if not any(is_partitioned(p) for p in model.parameters()):
         return
     # Children before parents, as transformers does: a parent (T5's gated feed-forward, its attention) overrides
     # the generic init its child layers got with its own scaled one.
     for module in reversed(list(model.modules())):
-        targets = _init_targets(module)
+        targets = init_targets(module)
         if not targets:
             continue
         with gathered(targets, modifier_rank=0), torch.no_grad():
