@@ -6,11 +6,14 @@ initial parameter, the initial loss on the first training samples (the same batc
 the first training loss between layouts of one world size (the same batches).
 """
 
+import math
 from types import SimpleNamespace
 
 import pytest
 import yaml
 from conftest import CONFIGS, REGATHER_EVERY_MODULE, assert_succeeded, run_script
+
+from lightning_hpz.models import get_preset
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 FAMILIES = ("llama2", "falcon", "t5", "user")
@@ -25,6 +28,7 @@ LAUNCHES = {
     1: {"zero3": ZERO3},
 }
 LAYOUTS = [(ranks, layout) for ranks, layouts in LAUNCHES.items() for layout in layouts]
+T5_VOCABULARY = get_preset("t5-tiny").config["vocab_size"]
 
 
 def _quickstart() -> tuple[dict, dict]:
@@ -84,3 +88,9 @@ def test_first_training_loss_is_identical_between_stages_and_hpz(built, family):
     for world, layouts in LAUNCHES.items():
         first = {layout: _record(built, family, world, layout)["losses"][0] for layout in layouts}
         assert len(set(first.values())) == 1, (world, first)
+
+
+def test_t5_from_scratch_starts_near_the_loss_of_a_uniform_guess(built):
+    # transformers' std-1 output projection started mT5 at 36-84; scaled by fan-in it starts near ln(vocabulary)
+    first = _record(built, "t5", 4, "zero3_hpz2")["losses"][0]
+    assert abs(first - math.log(T5_VOCABULARY)) < 0.2 * math.log(T5_VOCABULARY), first

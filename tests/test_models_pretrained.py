@@ -1,6 +1,7 @@
 """Forward parity with the bare transformers models, local pretrained directories, export, and their errors."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -57,6 +58,28 @@ def test_t5_keeps_its_own_output_projection(tmp_path):
     module = _saved_model(T5, "t5-tiny", tmp_path)
     assert module.model.lm_head.weight is not module.model.shared.weight
     assert module.model.encoder.embed_tokens.weight is module.model.shared.weight
+
+
+def test_t5_from_scratch_draws_its_output_projection_by_fan_in(tmp_path):
+    # transformers draws it with std 1 (pre-training then starts at a loss of 36-84); t5x scales it by fan-in
+    module = _saved_model(T5, "t5-tiny", tmp_path)
+    d_model = module.hf_config.d_model
+    assert module.model.lm_head.weight.std().item() == pytest.approx(d_model**-0.5, rel=0.05)
+    with torch.no_grad():
+        loss = module(input_ids=INPUTS["input_ids"], labels=INPUTS["input_ids"]).loss.item()
+    vocabulary = module.hf_config.vocab_size
+    assert abs(loss - math.log(vocabulary)) < 0.2 * math.log(vocabulary), loss
+
+
+def test_t5_load_keeps_the_output_projection_it_reads(tmp_path):
+    saved = _saved_model(T5, "t5-tiny", tmp_path / "scaled")
+    with torch.no_grad():
+        saved.model.lm_head.weight.normal_(std=1.0)  # as in a checkpoint made from transformers' own init
+    saved.export(str(tmp_path / "std1"))
+    loaded = T5(pretrained=str(tmp_path / "std1"))
+    loaded.configure_model()
+    assert torch.equal(loaded.model.lm_head.weight, saved.model.lm_head.weight)
+    assert torch.equal(_logits(loaded, T5), _logits(saved, T5))
 
 
 def test_unknown_preset_and_wrong_family():

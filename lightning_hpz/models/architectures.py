@@ -15,6 +15,11 @@ from transformers import (
     PretrainedConfig,
 )
 
+try:  # transformers 5: init functions that leave a tensor loaded by from_pretrained (flagged) untouched
+    from transformers import initialization as _guarded_init
+except ImportError:  # transformers 4 initialises with torch's own functions
+    from torch.nn import init as _guarded_init
+
 FAMILIES = ("llama2", "falcon", "t5")
 
 
@@ -30,6 +35,15 @@ class UntiedT5ForConditionalGeneration(MT5ForConditionalGeneration):
         "encoder.embed_tokens.weight": "shared.weight",
         "decoder.embed_tokens.weight": "shared.weight",
     }
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if module is self and self.lm_head.weight is not self.shared.weight:  # (the config says tied whatever)
+            # transformers draws the untied output projection with std 1 (a generic Linear, initializer_factor), which
+            # starts pre-training at a loss of 36-84 instead of ln(vocabulary); T5's own trainer (t5x) scales it by
+            # fan-in. Only a model built from scratch gets here: loaded weights are copied over it.
+            std = self.config.initializer_factor * self.config.d_model**-0.5
+            _guarded_init.normal_(self.lm_head.weight, mean=0.0, std=std)
 
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {"llama2": LlamaConfig, "falcon": FalconConfig, "t5": MT5Config}
