@@ -48,13 +48,20 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def _post_order(
-    module: nn.Module, name: str = "", owner: Optional[nn.Module] = None
+    module: nn.Module, name: str = "", owner: Optional[nn.Module] = None, seen: Optional[set[int]] = None
 ) -> Iterator[tuple[str, nn.Module, Optional[nn.Module]]]:
     """Every submodule after its children (as ``nn.Module.apply`` and transformers' ``post_init`` visit them), with
-    its qualified name and the nearest module at or above it that has an ``_init_weights`` (a transformers model)."""
+    its qualified name and the nearest module at or above it that has an ``_init_weights`` (a transformers model).
+
+    A module found under several names (T5's embedding is ``shared`` and each stack's ``embed_tokens``) comes once,
+    under the first: drawing it again would only cost time (and, under ZeRO-3, another gather of a vocabulary).
+    """
+    seen = set() if seen is None else seen
+    seen.add(id(module))
     owner = module if callable(getattr(module, "_init_weights", None)) else owner
     for child_name, child in module.named_children():
-        yield from _post_order(child, f"{name}.{child_name}" if name else child_name, owner)
+        if id(child) not in seen:
+            yield from _post_order(child, f"{name}.{child_name}" if name else child_name, owner, seen)
     yield name, module, owner
 
 
