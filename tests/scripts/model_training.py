@@ -74,7 +74,9 @@ def parameter_digests(pl_module) -> dict[str, str]:
     """Every parameter's full value (gathered under ZeRO-3) as a SHA-256 of its bytes: equal means bit-identical."""
     params = dict(pl_module.named_parameters())
     with gathered(list(params.values())):
-        return {name: hashlib.sha256(p.detach().cpu().numpy().tobytes()).hexdigest() for name, p in params.items()}
+        # float() is exact from bf16, so equal digests still mean equal bits
+        values = {name: p.detach().float().cpu().numpy().tobytes() for name, p in params.items()}
+    return {name: hashlib.sha256(value).hexdigest() for name, value in values.items()}
 
 
 def initial_loss(trainer, pl_module) -> float:
@@ -133,6 +135,7 @@ def run_job(job: dict, options: dict, out: Path) -> dict:
         accelerator="cpu",
         devices=options.get("devices", 4),
         max_steps=job["steps"],
+        precision=job.get("precision", "32-true"),
         limit_val_batches=0,
         callbacks=[recorder],
         gradient_clip_val=1.0,
