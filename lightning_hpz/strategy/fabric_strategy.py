@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import nullcontext
+from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.seed import reset_seed
 from typing_extensions import override
 
 from lightning_hpz import partitioning
+from lightning_hpz.strategy import separate_optimizer_setup
+from lightning_hpz.strategy.deferred_engine import DeferredEngine
 from lightning_hpz.strategy.hpz_setup import HpzSetup
 
 
@@ -26,12 +30,42 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     you write sharded weights yourself. ``fabric.load`` refreshes them and, with ``verify_after_load``, checks them at
     the next ``fabric.backward``. Call ``fabric.strategy.teardown()`` when done: Fabric never calls it itself, and
     it undoes what setup installed in DeepSpeed.
+
+    Unlike Lightning's DeepSpeed strategy, it also runs loops written for FSDP-style strategies (LitGPT's among them):
+    ``fabric.setup(model)`` then ``fabric.setup_optimizers(optimizer)`` builds the engine at the second call;
+    ``fabric.clip_gradients(..., max_norm=...)`` clips by the global norm inside the next step (the returned tensor
+    receives that step's norm); ``fabric.no_backward_sync`` accumulates until ``optimizer.step()``, which is the
+    accumulation boundary; and ``optimizer.step()`` steps DeepSpeed's engine.
     """
+
+    builds_engine_in_two_steps = True  # read by lightning_hpz.strategy.separate_optimizer_setup
 
     # Fabric internals relied on (lightning/fabric/strategies/deepspeed.py, connector.py; Lightning 2.6): the connector
     # calls `_configure_launcher` before launch; `_setup_distributed`, `_init_deepspeed_distributed`,
     # `_initialize_engine`, `_format_config`/`_config_initialized` and `_deepspeed_engine` are overridden or read.
     _lightning_deepspeed_strategy = DeepSpeedStrategy
+
+    _deferred: Optional[DeferredEngine] = None  # from setup_module, until the engine is built
+    _pending_clip: Optional[tuple[float, torch.Tensor]] = None  # (max_norm, the norm to fill) at the next step
+
+    # Lightning's __init__ sets None ("DeepSpeed handles gradient accumulation internally"); here the loop owns it.
+    @property
+    def _backward_sync_control(self) -> _BackwardSyncControl:
+        return _ACCUMULATE_UNTIL_STEP
+
+    @_backward_sync_control.setter
+    def _backward_sync_control(self, _: Any) -> None:
+        pass
+
+    # Fabric's backward assigns the module it was given (the `_FabricModule`'s inner one) to `_deepspeed_engine`; when
+    # that is a DeferredEngine the strategy keeps the engine inside it.
+    @property
+    def _deepspeed_engine(self) -> Any:
+        return self.__dict__.get("_engine")
+
+    @_deepspeed_engine.setter
+    def _deepspeed_engine(self, engine: Any) -> None:
+        self.__dict__["_engine"] = engine.built_engine() if isinstance(engine, DeferredEngine) else engine
 
     @override
     def _setup_distributed(self) -> None:
@@ -63,12 +97,50 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         return engine, deepspeed_optimizer, deepspeed_scheduler
 
     @override
+    def _format_config(self) -> None:
+        super()._format_config()
+        partitioning.request_loop_owned_accumulation(self.config)
+
+    @override
+    def setup_module(self, module: torch.nn.Module) -> DeferredEngine:
+        # The engine needs the optimizer, which an FSDP-style loop creates from the set-up model and hands to
+        # `setup_optimizers` next; without one, the first use builds an inference engine, as Lightning does here.
+        self._deferred = DeferredEngine(module, self._build_inference_engine)
+        return self._deferred
+
+    def _build_inference_engine(self, module: torch.nn.Module) -> Any:
+        self._deepspeed_engine, _, _ = self._initialize_engine(module)
+        return self._deepspeed_engine
+
+    @override
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        deferred = self._deferred
+        if deferred is None or deferred.built:
+            raise RuntimeError(
+                "`fabric.setup_optimizers` with DeepSpeed builds the engine from the model set up just before it, "
+                + ("but no model was set up: call `fabric.setup(model)` first." if deferred is None else
+                   "but that model's engine exists already: it has an optimizer, or it was used (run, saved, loaded) "
+                   "before one was set up, which builds it for inference. Set up the model and its optimizer "
+                   "together, `fabric.setup(model, optimizer)`, or call `setup_optimizers` before using the model.")
+            )  # fmt: skip
+        engine, zero_optimizer, _ = self._initialize_engine(deferred.module, optimizer)
+        self._deepspeed_engine = engine
+        self._set_deepspeed_activation_checkpointing()
+        deferred.attach(engine)
+        return zero_optimizer
+
+    def _built_deferred_engine(self) -> None:
+        if self._deferred is not None and self._deepspeed_engine is None:
+            self._deferred.built_engine()
+
+    @override
     def module_sharded_context(self) -> Any:
         self._tune_structure(None)  # zero.Init builds parameters with the hpZ size it finds; the model is not known yet
         return super().module_sharded_context()
 
     @override
     def _hpz_module(self) -> torch.nn.Module:
+        self._built_deferred_engine()
         if self._deepspeed_engine is None:
             raise RuntimeError(
                 "HpzFabricStrategy has no model yet: call `fabric.setup(model, optimizer)` before checking or "
@@ -84,9 +156,48 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(self._stepped_through_engine(optimizer, kwargs), **kwargs)
+        clip, self._pending_clip = self._pending_clip, None
+        with partitioning.clipped_step(self._deepspeed_engine, clip[0]) if clip else nullcontext():
+            output = super().optimizer_step(self._stepped_through_engine(optimizer, kwargs), **kwargs)
+        if clip:
+            partitioning.write_step_norm(self._deepspeed_engine, into=clip[1])
         self._note_optimizer_step()
         return output
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Any,
+        optimizer: Any,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Clip by the global 2-norm over every shard in the next ``optimizer.step()``; returns that step's norm.
+
+        The gradient exists whole only inside DeepSpeed's step (see :mod:`lightning_hpz.partitioning.step_clipping`),
+        so the returned tensor holds NaN until the step has run and the norm before clipping after it. Read it after
+        ``optimizer.step()``. A non-finite norm is left to DeepSpeed: fp16 skips that step, bf16 and fp32 apply it.
+        """
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"norm_type={norm_type} cannot be clipped by DeepSpeed, which computes the 2-norm over its gradient "
+                "shards only: leave norm_type at 2."
+            )
+        if max_norm <= 0:
+            raise ValueError(f"max_norm={max_norm} must be positive.")
+        self._built_deferred_engine()
+        partitioning.clipping_optimizer(self._deepspeed_engine)  # refuses clearly now, not at the step
+        norm = torch.full((), float("nan"), device=self.root_device)
+        self._pending_clip = (float(max_norm), norm)
+        return norm
+
+    @override
+    def clip_gradients_value(self, module: Any, optimizer: Any, clip_val: Union[float, int]) -> None:
+        raise NotImplementedError(
+            "DeepSpeed clips gradients by their global norm only, inside its step: use "
+            "`fabric.clip_gradients(model, optimizer, max_norm=...)` instead of `clip_val`."
+        )
 
     def _stepped_through_engine(self, optimizer: Any, kwargs: dict[str, Any]) -> Any:
         """The engine, when Fabric hands over the engine's own optimizer (it does: Fabric's ``_FabricOptimizer`` steps
@@ -103,17 +214,49 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         return engine
 
     @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        self._built_deferred_engine()
+        super().save_checkpoint(path, state, *args, **kwargs)
+
+    @override
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
+        self._built_deferred_engine()
         remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
         if self._deepspeed_engine is not None:
             self._after_weights_changed()
         return remainder
 
 
+class _AccumulateUntilStep(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: nothing to switch, the engine already defers the reduction to the step.
+
+    With the loop owning the accumulation boundary (:mod:`lightning_hpz.partitioning.loop_owned_accumulation`), a
+    backward under ZeRO 0 and 1 only accumulates; under ZeRO 2 and 3 it reduce-scatters into the gradient shards,
+    which those stages need to hold only their shard. Either way the step sums what the skipped syncs accumulated.
+    """
+
+    def no_backward_sync(self, module: Any, enabled: bool) -> Any:
+        engine = module.built_engine() if isinstance(module, DeferredEngine) else module
+        if enabled and not partitioning.loop_owns_accumulation(engine):
+            # DeepSpeed then ends accumulation at every backward (gradient_accumulation_steps 1) and keeps only the
+            # last micro-batch's gradient under ZeRO 1 and 2
+            raise ValueError(
+                "`fabric.no_backward_sync` accumulates over several backwards, which this engine does not do: its "
+                "DeepSpeed config sets `managed_gradient_accumulation: true` or `gradient_accumulation_steps` > 1. "
+                "Remove those settings (the loop then owns the boundary), or call `optimizer.step()` after every "
+                "micro-batch and let DeepSpeed count them."
+            )
+        return nullcontext()
+
+
+_ACCUMULATE_UNTIL_STEP = _AccumulateUntilStep()
+
+
 def register() -> None:
     HpzFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    separate_optimizer_setup.install()
 
 
 # Importing the strategy registers its names with Fabric; lightning_hpz.strategy.registration imports it with Lightning.
