@@ -43,6 +43,10 @@ _NEEDS_DEEPSPEED = {
     "write_step_norm": "step_clipping",
     "request_loop_owned_accumulation": "loop_owned_accumulation",
     "loop_owns_accumulation": "loop_owned_accumulation",
+    "OpenWrites": "placeholder_writes",
+    "loads_reach_shards": "placeholder_writes",
+    "registered_parameters": "placeholder_writes",
+    "writes_reach_shards": "placeholder_writes",
 }
 
 __getattr__, __dir__ = lazy_names(__name__, _NEEDS_DEEPSPEED)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Optional, Union
 
 import torch
@@ -46,6 +47,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     _lightning_deepspeed_strategy = DeepSpeedStrategy
 
     _deferred: Optional[DeferredEngine] = None  # from setup_module, until the engine is built
+    _open_writes: Any = None  # partitioning.OpenWrites from the end of `fabric.init_module()` until set-up
     _pending_clip: Optional[tuple[float, torch.Tensor]] = None  # (max_norm, the norm to fill) at the next step
 
     # Lightning's __init__ sets None ("DeepSpeed handles gradient accumulation internally"); here the loop owns it.
@@ -93,6 +95,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
             deepspeed_scheduler = scheduler
         if self.zero_stage_3:
             partitioning.order_converted_parameters(model)  # converted by a zero.Init outside fabric.init_module
+            partitioning.loads_reach_shards(model)  # `model.load_state_dict(full)`, as scripts for DDP or FSDP do
         self._watch_load_state_dict(model)
         return engine, deepspeed_optimizer, deepspeed_scheduler
 
@@ -102,9 +105,34 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         partitioning.request_loop_owned_accumulation(self.config)
 
     @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        context = super().module_init_context(empty_init=empty_init)
+        return self._writes_reach_shards_after(context) if self.zero_stage_3 else context
+
+    @contextmanager
+    def _writes_reach_shards_after(self, init_context: AbstractContextManager) -> Iterator[None]:
+        # Loops written for other strategies re-initialise (LitGPT: every `reset_parameters`) or load the model
+        # between `fabric.init_module()` and `fabric.setup`; under ZeRO-3 those writes must reach the shards.
+        with partitioning.registered_parameters() as built, init_context:
+            yield
+        self._close_open_writes()
+        self._open_writes = partitioning.OpenWrites(built)
+
+    def _close_open_writes(self) -> None:
+        if self._open_writes is not None:
+            self._open_writes.close()
+            self._open_writes = None
+
+    @override
+    def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: Any, scheduler: Any = None) -> Any:
+        self._close_open_writes()
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+    @override
     def setup_module(self, module: torch.nn.Module) -> DeferredEngine:
         # The engine needs the optimizer, which an FSDP-style loop creates from the set-up model and hands to
         # `setup_optimizers` next; without one, the first use builds an inference engine, as Lightning does here.
+        self._close_open_writes()
         self._deferred = DeferredEngine(module, self._build_inference_engine)
         return self._deferred
 
@@ -127,7 +155,11 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         self._deepspeed_engine = engine
         self._set_deepspeed_activation_checkpointing()
         deferred.attach(engine)
-        return zero_optimizer
+        # The loop gets its own optimizer back (DeepSpeed steps it inside the ZeRO optimizer, over the shards): it is
+        # a torch Optimizer, so torch's schedulers accept it and `defaults`/`param_groups` read as the loop expects
+        # (LitGPT reads `optimizer.defaults["lr"]`). `optimizer.step()` still steps the engine (`optimizer_step`).
+        inner = getattr(zero_optimizer, "optimizer", None)
+        return inner if isinstance(inner, torch.optim.Optimizer) else zero_optimizer
 
     def _built_deferred_engine(self) -> None:
         if self._deferred is not None and self._deepspeed_engine is None:
@@ -209,14 +241,37 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         engine's ``step()`` takes none.
         """
         engine = self._deepspeed_engine
-        if engine is None or "closure" in kwargs or optimizer is not getattr(engine, "optimizer", None):
+        if engine is None or "closure" in kwargs or not self._is_engine_optimizer(optimizer):
             return optimizer
         return engine
+
+    def _is_engine_optimizer(self, optimizer: Any) -> bool:
+        """``optimizer`` is the engine's ZeRO optimizer or the loop's optimizer inside it (see ``setup_optimizer``)."""
+        zero_optimizer = getattr(self._deepspeed_engine, "optimizer", None)
+        if zero_optimizer is None:
+            return False
+        return optimizer is zero_optimizer or optimizer is getattr(zero_optimizer, "optimizer", None)
 
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         self._built_deferred_engine()
+        # the loop's optimizer stands for the ZeRO optimizer, whose state the engine saves itself (sharded); Lightning
+        # leaves only the ZeRO optimizer out of the client state
+        engine_optimizer = getattr(self._deepspeed_engine, "optimizer", None)
+        state = {key: engine_optimizer if self._is_engine_optimizer(value) else value for key, value in state.items()}
         super().save_checkpoint(path, state, *args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        self._close_open_writes()
+        super().teardown()
+
+    @override
+    def load_module_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        # `fabric.load_raw(path, model)`: a plain state dict of the model (LitGPT's `lit_model.pth`), whose keys
+        # have no engine prefix; under ZeRO-3 the model's `load_state_dict` writes into the shards.
+        engine = module.built_engine() if isinstance(module, DeferredEngine) else module
+        getattr(engine, "module", engine).load_state_dict(state_dict, strict=strict)
 
     @override
     def load_checkpoint(
