@@ -15,8 +15,9 @@ plain tensor): the first read of ``.data`` warns.
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -50,12 +51,13 @@ class _ShardedParameter(nn.Parameter):
         kwargs = kwargs or {}
         # the tensor acted on: first positional, or `tensor=` (nn.init functions pass it by keyword)
         target = args[0] if args else kwargs.get("tensor")
+        sharded = isinstance(target, _ShardedParameter) and target.ds_status.name != "AVAILABLE"
+        if sharded and _is_write(func):
+            return _write_gathered(target, func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
-            if not isinstance(target, _ShardedParameter) or target.ds_status.name == "AVAILABLE":
-                return func(*args, **kwargs)
-            if func in _SHAPE_QUERIES and args:
+            if sharded and func in _SHAPE_QUERIES and args:
                 return func(torch.empty(full_shape(target), device="meta"), *args[1:], **kwargs)
-            if func is _DATA_READ:
+            if sharded and func == _DATA_READ:
                 warnings.warn(
                     f"`.data` of a ZeRO-3 parameter of shape {tuple(full_shape(target))} is an empty placeholder: "
                     "writes through it are lost. Write to the parameter itself (for example `nn.init.normal_(p)` or "
@@ -63,10 +65,18 @@ class _ShardedParameter(nn.Parameter):
                     WriteWarning,
                     stacklevel=3,
                 )
-            elif _is_write(func):
-                with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
-                    return func(*args, **kwargs)
             return func(*args, **kwargs)
+
+
+def _write_gathered(target: _ShardedParameter, func: Any, args: tuple, kwargs: dict) -> Any:
+    # The write runs with `target` a plain parameter again, so that other tensor-likes keep their own handling (a
+    # lazily loaded source tensor materialises itself through its __torch_function__).
+    target.__class__ = nn.Parameter
+    try:
+        with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
+            return func(*args, **kwargs)
+    finally:
+        target.__class__ = _ShardedParameter
 
 
 @contextmanager
@@ -111,19 +121,23 @@ def registered_parameters() -> Iterator[list[nn.Parameter]]:
         handle.remove()
 
 
-def loads_reach_shards(module: nn.Module) -> None:
+def loads_reach_shards(module: nn.Module, after_load: Callable[[], Any]) -> None:
     """Make ``module.load_state_dict`` write whole tensors into the shards of partitioned parameters (an instance
-    override). Entries that are placeholders themselves (DeepSpeed's own checkpoint load, which restores the shards
-    separately) load as before."""
+    override), then call ``after_load``. Entries that are placeholders themselves (DeepSpeed's own checkpoint load,
+    which restores the shards separately) load as before, without ``after_load``."""
     load = module.load_state_dict
 
     def load_state_dict(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        # entries may be tensor-likes that load on first use (LitGPT's lazy_load): read their shape only
         whole = [
             param
             for name, param in module.named_parameters(remove_duplicate=False)
-            if isinstance(state_dict.get(name), torch.Tensor) and state_dict[name].numel() > 0
+            if math.prod(getattr(state_dict.get(name), "shape", (0,))) > 0
         ]
         with writes_reach_shards(whole):
-            return load(state_dict, *args, **kwargs)
+            result = load(state_dict, *args, **kwargs)
+        if whole:
+            after_load()
+        return result
 
     module.load_state_dict = load_state_dict

@@ -95,7 +95,9 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
             deepspeed_scheduler = scheduler
         if self.zero_stage_3:
             partitioning.order_converted_parameters(model)  # converted by a zero.Init outside fabric.init_module
-            partitioning.loads_reach_shards(model)  # `model.load_state_dict(full)`, as scripts for DDP or FSDP do
+        # `model.load_state_dict(whole_weights)` after set-up, as scripts for DDP or FSDP do: the weights reach the
+        # ZeRO-3 shards and the optimizer's master copy, which the next step would otherwise restore
+        partitioning.loads_reach_shards(model, after_load=lambda: partitioning.refresh_master_weights(engine))
         self._watch_load_state_dict(model)
         return engine, deepspeed_optimizer, deepspeed_scheduler
 

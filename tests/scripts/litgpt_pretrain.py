@@ -4,8 +4,9 @@ Run as ``python litgpt_pretrain.py '<json options>'`` under torchrun (or the tes
 hard-codes FSDP in ``pretrain.setup``, so a user who wants hpZ builds the Fabric and calls ``pretrain.main``, as here:
 a tiny GPT config, tokens made up on the spot (each row counts up from a random start, so there is something to
 learn), two micro-batches per optimizer step (``no_backward_sync``), clipping, a checkpoint every two steps.
-``resume: "auto"`` continues from the newest checkpoint in ``out`` (LitGPT's own resume). Each rank writes
-``rank<r>.json``: the losses LitGPT logged and DeepSpeed's step count.
+``resume: "auto"`` continues from the newest checkpoint in ``out`` (LitGPT's own resume); ``initial_checkpoint``
+starts from a plain ``lit_model.pth`` that rank 0 writes first (LitGPT's ``initial_checkpoint_dir``, loaded with
+``fabric.load_raw``). Each rank writes ``rank<r>.json``: the losses LitGPT logged and DeepSpeed's step count.
 """
 
 import os
@@ -23,6 +24,7 @@ from litgpt import pretrain
 from litgpt.args import EvalArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data import DataModule
+from litgpt.model import GPT
 from torch.utils.data import DataLoader
 
 import lightning_hpz
@@ -77,6 +79,16 @@ def build_strategy(options: dict):
     return lightning_hpz.HpzFabricStrategy(stage=3, hpz_partition_size=options["hpz"])
 
 
+def write_initial_checkpoint(fabric: L.Fabric, folder: Path) -> Path:
+    """A whole model's state dict, as LitGPT's ``lit_model.pth`` holds it (made once, by rank 0, on the CPU)."""
+    if fabric.global_rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(3)
+        torch.save(GPT(CONFIG).state_dict(), folder / "lit_model.pth")
+    fabric.barrier()
+    return folder
+
+
 def main(options: dict) -> None:
     logger = LoggedLosses()
     fabric = L.Fabric(strategy=build_strategy(options), accelerator="cpu", devices=WORLD, loggers=[logger])
@@ -93,8 +105,9 @@ def main(options: dict) -> None:
         min_lr=1e-4,
     )
     out = Path(options["out"])
+    initial = write_initial_checkpoint(fabric, out / "initial") if options.get("initial_checkpoint") else None
     pretrain.main(
-        fabric, devices=WORLD, seed=42, initial_checkpoint_dir=None, resume=options.get("resume", False),
+        fabric, devices=WORLD, seed=42, initial_checkpoint_dir=initial, resume=options.get("resume", False),
         config=CONFIG, data=CountingTokens(), out_dir=out / "litgpt", tokenizer_dir=None, tokenizer=None,
         train=train, eval=EvalArgs(interval=1000, max_iters=2), optimizer={"class_path": "torch.optim.AdamW",
         "init_args": {"lr": 3e-3}}, num_nodes=1,
