@@ -56,6 +56,7 @@ def test_accumulating_clipping_loop_trains_as_ddp(module_tmp, ddp, name):
         assert "fabric.setup(model, optimizer)" in refusals["second_setup_optimizers"]
         assert refusals["clip_val"].startswith("NotImplementedError") and "max_norm" in refusals["clip_val"]
         assert refusals["norm_type_inf"].startswith("ValueError: norm_type=inf")
+        assert refusals["closure"].startswith("ValueError: `optimizer.step(closure)` cannot run under DeepSpeed")
         # the model set up alone ran (an inference engine was built at its first forward), so no optimizer can join
         assert refusals["setup_optimizers_after_inference"].startswith("RuntimeError: `fabric.setup_optimizers`")
 

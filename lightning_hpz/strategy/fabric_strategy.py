@@ -239,12 +239,18 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
         Stepping the ZeRO optimizer directly skips what ``DeepSpeedEngine.step()`` does around it: the scheduler of
         the DeepSpeed config, the global step and sample counters (checkpoints record them), the accumulation
-        boundary and what happens there, the monitor. A closure (``step(closure)``) keeps Fabric's own path: the
-        engine's ``step()`` takes none.
+        boundary and what happens there, the monitor.
         """
         engine = self._deepspeed_engine
-        if engine is None or "closure" in kwargs or not self._is_engine_optimizer(optimizer):
+        if engine is None or not self._is_engine_optimizer(optimizer):
             return optimizer
+        if "closure" in kwargs:
+            # the engine's step takes none, the ZeRO optimizer's ignores it, and the loop's own optimizer would step
+            # the shards past DeepSpeed's reduction
+            raise ValueError(
+                "`optimizer.step(closure)` cannot run under DeepSpeed, whose step re-evaluates nothing: compute the "
+                "loss and call `fabric.backward(loss)` before `optimizer.step()`."
+            )
         return engine
 
     def _is_engine_optimizer(self, optimizer: Any) -> bool:

@@ -43,6 +43,7 @@ def refusals(fabric: L.Fabric, model, optimizer) -> dict[str, str]:
         "second_setup_optimizers": lambda: fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1)),
         "clip_val": lambda: fabric.clip_gradients(model, optimizer, clip_val=1.0),
         "norm_type_inf": lambda: fabric.clip_gradients(model, optimizer, max_norm=1.0, norm_type=float("inf")),
+        "closure": lambda: optimizer.step(lambda: torch.zeros(())),
     }
     probes["setup_optimizers_after_inference"] = lambda: _optimizer_after_inference(fabric)
     for name, call in probes.items():

@@ -25,7 +25,7 @@ from litgpt.data import JSON
 from litgpt.finetune import full
 from litgpt.model import GPT
 from litgpt.utils import save_config
-from litgpt_pretrain import LoggedLosses, build_strategy
+from litgpt_pretrain import LoggedLosses, build_strategy, finish
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 WORLD = 4
@@ -83,12 +83,7 @@ def main(options: dict) -> None:
         fabric, WORLD, options.get("resume", False), 1337, CONFIG, JSON(json_path=data, num_workers=0), checkpoint,
         out / "litgpt", train, evaluation, optimizer, 1,
     )  # fmt: skip
-    record = {"logged": logger.records}
-    if options["strategy"] != "ddp":
-        record["global_steps"] = fabric.strategy.model.global_steps
-        fabric.strategy.teardown()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(record))
+    finish(fabric, logger, out)
 
 
 if __name__ == "__main__":

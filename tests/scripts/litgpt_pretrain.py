@@ -79,6 +79,16 @@ def build_strategy(options: dict):
     return lightning_hpz.HpzFabricStrategy(stage=3, hpz_partition_size=options["hpz"])
 
 
+def finish(fabric: L.Fabric, logger: LoggedLosses, out: Path) -> None:
+    """Write this rank's record (what LitGPT logged, DeepSpeed's step count) and tear the strategy down."""
+    record = {"logged": logger.records}
+    if isinstance(fabric.strategy, lightning_hpz.HpzFabricStrategy):
+        record["global_steps"] = fabric.strategy.model.global_steps
+        fabric.strategy.teardown()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(record))
+
+
 def write_initial_checkpoint(fabric: L.Fabric, folder: Path) -> Path:
     """A whole model's state dict, as LitGPT's ``lit_model.pth`` holds it (made once, by rank 0, on the CPU)."""
     if fabric.global_rank == 0:
@@ -112,12 +122,7 @@ def main(options: dict) -> None:
         train=train, eval=EvalArgs(interval=1000, max_iters=2), optimizer={"class_path": "torch.optim.AdamW",
         "init_args": {"lr": 3e-3}}, num_nodes=1,
     )  # fmt: skip
-    record = {"logged": logger.records}
-    if options["strategy"] != "ddp":
-        record["global_steps"] = fabric.strategy.model.global_steps
-        fabric.strategy.teardown()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(record))
+    finish(fabric, logger, out)
 
 
 if __name__ == "__main__":
