@@ -8,12 +8,12 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.seed import reset_seed
 from typing_extensions import override
 
 from lightning_hpz import partitioning
 from lightning_hpz.strategy import separate_optimizer_setup
+from lightning_hpz.strategy.accumulate_until_step import ACCUMULATE_UNTIL_STEP, AccumulateUntilStep
 from lightning_hpz.strategy.deferred_engine import DeferredEngine
 from lightning_hpz.strategy.hpz_setup import HpzSetup
 
@@ -52,8 +52,8 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
     # Lightning's __init__ sets None ("DeepSpeed handles gradient accumulation internally"); here the loop owns it.
     @property
-    def _backward_sync_control(self) -> _BackwardSyncControl:
-        return _ACCUMULATE_UNTIL_STEP
+    def _backward_sync_control(self) -> AccumulateUntilStep:
+        return ACCUMULATE_UNTIL_STEP
 
     @_backward_sync_control.setter
     def _backward_sync_control(self, _: Any) -> None:
@@ -146,13 +146,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
         deferred = self._deferred
         if deferred is None or deferred.built:
-            raise RuntimeError(
-                "`fabric.setup_optimizers` with DeepSpeed builds the engine from the model set up just before it, "
-                + ("but no model was set up: call `fabric.setup(model)` first." if deferred is None else
-                   "but that model's engine exists already: it has an optimizer, or it was used (run, saved, loaded) "
-                   "before one was set up, which builds it for inference. Set up the model and its optimizer "
-                   "together, `fabric.setup(model, optimizer)`, or call `setup_optimizers` before using the model.")
-            )  # fmt: skip
+            raise RuntimeError(_no_model_waits_for_an_optimizer(deferred))
         engine, zero_optimizer, _ = self._initialize_engine(deferred.module, optimizer)
         self._deepspeed_engine = engine
         self._set_deepspeed_activation_checkpointing()
@@ -292,29 +286,15 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         return remainder
 
 
-class _AccumulateUntilStep(_BackwardSyncControl):
-    """``fabric.no_backward_sync``: nothing to switch, the engine already defers the reduction to the step.
-
-    With the loop owning the accumulation boundary (:mod:`lightning_hpz.partitioning.loop_owned_accumulation`), a
-    backward under ZeRO 0 and 1 only accumulates; under ZeRO 2 and 3 it reduce-scatters into the gradient shards,
-    which those stages need to hold only their shard. Either way the step sums what the skipped syncs accumulated.
-    """
-
-    def no_backward_sync(self, module: Any, enabled: bool) -> Any:
-        engine = module.built_engine() if isinstance(module, DeferredEngine) else module
-        if enabled and not partitioning.loop_owns_accumulation(engine):
-            # DeepSpeed then ends accumulation at every backward (gradient_accumulation_steps 1) and keeps only the
-            # last micro-batch's gradient under ZeRO 1 and 2
-            raise ValueError(
-                "`fabric.no_backward_sync` accumulates over several backwards, which this engine does not do: its "
-                "DeepSpeed config sets `managed_gradient_accumulation: true` or `gradient_accumulation_steps` > 1. "
-                "Remove those settings (the loop then owns the boundary), or call `optimizer.step()` after every "
-                "micro-batch and let DeepSpeed count them."
-            )
-        return nullcontext()
-
-
-_ACCUMULATE_UNTIL_STEP = _AccumulateUntilStep()
+def _no_model_waits_for_an_optimizer(deferred: Optional[DeferredEngine]) -> str:
+    start = "`fabric.setup_optimizers` with DeepSpeed builds the engine from the model set up just before it, but "
+    if deferred is None:
+        return start + "no model was set up: call `fabric.setup(model)` first."
+    return start + (
+        "that model's engine exists already: it has an optimizer, or it was used (run, saved, loaded) before one was "
+        "set up, which builds it for inference. Set up the model and its optimizer together, "
+        "`fabric.setup(model, optimizer)`, or call `setup_optimizers` before using the model."
+    )
 
 
 def register() -> None:
