@@ -148,6 +148,15 @@ def test_inspect_reports_the_run_and_fails_on_damage(tmp_path, capsys):
     assert f"DAMAGED: {path / SHARD}: expected" in capsys.readouterr().out
 
 
+def test_inspect_of_a_checkpoint_without_manifest_exits_2(tmp_path, capsys):
+    path = _commit(tmp_path / "step=4.ckpt", 1.0)
+    (path / "hpz_manifest.json").unlink()
+    with pytest.raises(SystemExit) as exited:
+        checkpoint_main(["inspect", str(path)])
+    assert exited.value.code == 2  # not 0: nothing vouches for its files
+    assert "not verifiable" in capsys.readouterr().out
+
+
 def _kib(path: Path) -> str:
     total = sum(entry["size"] for entry in read_manifest(path)["files"].values())
     return f"{total / 1024:.1f}"

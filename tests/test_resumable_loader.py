@@ -50,3 +50,17 @@ def test_a_stream_is_read_again_up_to_the_position_with_a_warning():
     with pytest.warns(UserWarning, match="its first 2 batches of this epoch are read again"):
         batches = _resumed(DataLoader(Stream(), batch_size=3), 2)
     assert batches == [[6, 7, 8], [9]]
+
+
+def test_a_resume_on_fewer_ranks_starts_at_the_same_global_sample_position():
+    loader = DataLoader(CountingReads(64), batch_size=2)  # this rank's 32 batches of an epoch on 2 ranks
+    resumable = ResumableLoader(loader, batches_consumed=lambda: 3, world_size=2)
+    assert resumable.state_dict()["world_size"] == 2
+    resumable.load_state_dict({"batches_consumed": 3, "world_size": 4})  # 3 batches on each of 4 ranks: 12 in all
+    assert next(iter(resumable)).tolist() == [12, 13]  # 6 batches per rank here: the next one is the 7th
+
+
+def test_a_resume_whose_position_falls_between_batches_says_what_is_trained_again():
+    resumable = ResumableLoader(DataLoader(CountingReads(60), batch_size=2), lambda: 0, world_size=3)
+    with pytest.warns(UserWarning, match="continues after 1 batches per rank, so 1 rank-batches"):
+        resumable.load_state_dict({"batches_consumed": 2, "world_size": 2})

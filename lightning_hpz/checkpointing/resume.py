@@ -39,10 +39,25 @@ def prepare_load(strategy: Any, checkpoint_path: Any) -> tuple[Path, contextlib.
     refuse_mismatches(path, saved, current, strategy)
     if saved.get("world_size") in (None, current["world_size"]):
         return path, contextlib.nullcontext()
+    refuse_inexact_resize(path, saved["world_size"], current["world_size"], strategy)
     from lightning_hpz.partitioning.universal_load import universal_loading
 
     rank_zero_warn(universal.DATA_ORDER_WARNING.format(saved=saved["world_size"], current=current["world_size"]))
     return universal.universal_copy(path), universal_loading(strategy.deepspeed_engine)
+
+
+def refuse_inexact_resize(path: Path, saved: int, current: int, strategy: Any) -> None:
+    """Under ``exact_resume=True`` resuming training on another number of ranks is refused: its data order cannot
+    repeat. Evaluation (``validate``/``test``/``predict`` from a checkpoint) has no order to keep."""
+    trainer = getattr(getattr(strategy, "lightning_module", None), "_trainer", None)
+    fitting = trainer is not None and trainer.state.fn == "fit"
+    if fitting and getattr(strategy, "exact_resume", False):
+        raise CheckpointMismatchError(
+            f"Cannot resume {path} exactly: it was written on {saved} ranks and this run has {current}, so each global "
+            f"batch would hold {current} per-rank batches instead of {saved} and the data order from here on would "
+            f"differ. Resume on {saved} ranks, or pass HpzStrategy(exact_resume=False) to resume with weights, "
+            "optimizer state and step counters exact and the data order changed."
+        )
 
 
 def verify_integrity(path: Path, recorded: dict[str, Any]) -> None:

@@ -62,11 +62,14 @@ class ResumableLoader:
     Args:
         loader: the dataloader to wrap (attribute access passes through, so Lightning still finds its sampler).
         batches_consumed: returns how many batches of the current epoch the training loop has finished.
+        world_size: ranks sharing the epoch (each reads every ``world_size``-th example, as Lightning's distributed
+            sampler deals them); a resume on another number of ranks starts at the same global sample position.
     """
 
-    def __init__(self, loader: Any, batches_consumed: Callable[[], int]) -> None:
+    def __init__(self, loader: Any, batches_consumed: Callable[[], int], world_size: int = 1) -> None:
         self.loader = loader
         self._batches_consumed = batches_consumed
+        self.world_size = world_size
         self._skip_next_epoch_start = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -88,10 +91,11 @@ class ResumableLoader:
 
     def state_dict(self) -> dict[str, Any]:
         # the order record lets a resume check that its sampler repeats this run's order (exact_resume.data_order)
-        return {"batches_consumed": int(self._batches_consumed()), "order": order_record(self.loader)}
+        consumed = int(self._batches_consumed())
+        return {"batches_consumed": consumed, "world_size": self.world_size, "order": order_record(self.loader)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        consumed = int(state.get("batches_consumed", 0))
+        consumed = self._batches_at_this_world_size(int(state.get("batches_consumed", 0)), state.get("world_size"))
         if has_len(self.loader):
             # a checkpoint after an epoch's last batch resumes at the next epoch's start; a shorter loader that
             # Lightning restarted when it ran out resumes where its current round stands
@@ -104,3 +108,18 @@ class ResumableLoader:
                 "dropped (a stream has no index to start from). The continuation is exact only if the dataset yields "
                 "the same sequence again, for example from a fixed seed per epoch."
             )
+
+    def _batches_at_this_world_size(self, consumed: int, saved_world: Any) -> int:
+        # `consumed` batches on each of `saved_world` ranks covered the epoch's first consumed x saved_world batches'
+        # worth of examples (dealt round-robin); here they are that many divided by this run's ranks
+        if saved_world in (None, self.world_size):
+            return consumed
+        examples_in_batches = consumed * int(saved_world)
+        here, left_over = divmod(examples_in_batches, self.world_size)
+        if left_over:
+            rank_zero_warn(
+                f"Resuming on {self.world_size} ranks after {consumed} batches on each of {saved_world}: the epoch "
+                f"continues after {here} batches per rank, so {left_over} rank-batches' worth of examples are trained "
+                "again."
+            )
+        return here

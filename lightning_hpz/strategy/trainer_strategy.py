@@ -46,7 +46,9 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
             :class:`~lightning_hpz.callbacks.PreemptionCheckpoint` unless the Trainer has one). Default True.
         exact_resume: make a resume from a mid-epoch checkpoint continue with the very batches the interrupted run
             would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader), and refuse a resume
-            whose data order cannot repeat (``DataOrderError``; False: a warning). Default True.
+            whose data order cannot repeat (``DataOrderError``) or that changes the number of ranks. False: both are
+            warned about, and a resume on another number of ranks continues at the same global sample position.
+            Default True.
         failure_grace_period: when the Trainer raises on a rank, that rank aborts its process groups and every rank
             runs its own ``except`` code; ranks of the launching node that neither reached their own error handling
             nor exited this many seconds later are taken as blocked in a collective and killed. Default 30.
@@ -129,10 +131,10 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
             # `on_advance_start`): a loader that draws its order at once (workers, a skip) would use epoch 0's.
             data_order.set_epoch_before_iteration(dataloader, trainer.fit_loop.epoch_progress.current.processed)
             self._check_resumed_data_order(dataloader)
-        if not self.exact_resume or not hasattr(dataloader, "__len__"):
-            return dataloader
+        # wrapped under either setting: a checkpoint holds the wrapper's state, which Lightning refuses to load into a
+        # loader without one (so exact_resume could not be switched off for a resume on another number of ranks)
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        return ResumableLoader(dataloader, batches_consumed=lambda: progress.current.processed)
+        return ResumableLoader(dataloader, lambda: progress.current.processed, world_size=self.world_size)
 
     def _check_resumed_data_order(self, dataloader: Any) -> None:
         if self._resumed_data_order is not None:

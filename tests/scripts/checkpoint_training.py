@@ -63,7 +63,9 @@ def fit(job: dict, options: dict, index: int) -> dict:
     L.seed_everything(0, verbose=False)
     out = Path(options["out"])
     recorder = ResumeRecorder(job, out, index)
-    strategy = lightning_hpz.HpzStrategy(stage=job.get("stage", 3), hpz_partition_size=job.get("hpz", 1))
+    strategy = lightning_hpz.HpzStrategy(
+        stage=job.get("stage", 3), hpz_partition_size=job.get("hpz", 1), exact_resume=job.get("exact_resume", True)
+    )
     checkpoints = ModelCheckpoint(
         dirpath=job.get("ckpt_dir", options.get("ckpt_dir")),
         every_n_train_steps=2,
