@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hpz import collectives
-from lightning_hpz.checkpointing import manifest
+from lightning_hpz.checkpointing import durability, manifest
 from lightning_hpz.checkpointing.atomic_exchange import atomic_exchange
 from lightning_hpz.checkpointing.fault_points import fault_point
+from lightning_hpz.checkpointing.shared_folder import check_one_folder_for_all_ranks
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,17 @@ def committed_save(final: Path, run: dict[str, Any]) -> Iterator[Path]:
             shutil.rmtree(staging)  # left by a run that crashed while saving
         staging.parent.mkdir(parents=True, exist_ok=True)
     collectives.barrier()
+    check_one_folder_for_all_ranks(staging.parent)  # node-local disks: refused now, not at the resume
     yield staging
     collectives.barrier()  # every rank's files are complete
-    mine = manifest.digests(staging, manifest.files_written_by(staging, collectives.rank(), collectives.world_size()))
-    every_rank = collectives.all_gather_object(mine)
+    names = manifest.files_written_by(staging, collectives.rank(), collectives.world_size())
+    durability.persist_files(staging, names)  # on the storage, and checksummed from there
+    every_rank = collectives.all_gather_object(manifest.digests(staging, names))
     if collectives.rank() == 0:
         files = {name: entry for part in every_rank for name, entry in part.items()}
+        durability.persist_files(staging, sorted(set(manifest.checkpoint_files(staging)) - set(files)))
         manifest.write_manifest(staging, files, run)
+        durability.persist_tree_directories(staging)  # every file's directory entry, the manifest's last
         _move_into_place(staging, final)
         with contextlib.suppress(OSError):  # still holding another save's files, or already gone
             staging.parent.rmdir()
@@ -77,9 +82,11 @@ def _move_into_place(staging: Path, final: Path) -> None:
     fault_point("commit:manifest_written")
     if not final.exists():
         staging.rename(final)
+        _persist_entries(final, staging)
         fault_point("commit:new_in_place")
         return
     if atomic_exchange(staging, final):
+        _persist_entries(final, staging)  # the new copy is durably in place before the old one goes
         fault_point("commit:new_in_place")
         shutil.rmtree(staging)
         return
@@ -89,8 +96,14 @@ def _move_into_place(staging: Path, final: Path) -> None:
     final.rename(replaced)
     fault_point("commit:old_moved_aside")
     staging.rename(final)
+    _persist_entries(final, staging)
     fault_point("commit:new_in_place")
     shutil.rmtree(replaced)
+
+
+def _persist_entries(final: Path, staging: Path) -> None:
+    durability.persist_directory(final.parent)
+    durability.persist_directory(staging.parent)
 
 
 def repair_interrupted_commit(final: Path) -> str:

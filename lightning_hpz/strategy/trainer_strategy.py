@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_hpz import partitioning
 from lightning_hpz.autotune import resume_path
 from lightning_hpz.checkpointing import commit, compatibility, resume
-from lightning_hpz.checkpointing.errors import CheckpointRefusedError
+from lightning_hpz.checkpointing.errors import CheckpointRefusedError, CheckpointStorageError
 from lightning_hpz.exact_resume import data_order, epoch_end_checkpoint, random_layers
 from lightning_hpz.exact_resume.resumable_loader import ResumableLoader
 from lightning_hpz.lifecycle import rank_failure
@@ -144,7 +144,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if isinstance(exception, (CoordinatedExit, CheckpointRefusedError)):
+        if isinstance(exception, (CoordinatedExit, CheckpointRefusedError, CheckpointStorageError)):
             return  # every rank raises this itself, after the same collectives: nobody is blocked, each one reports
         # Peers would wait for this rank in their next collective until the timeout: release them (rank_failure.py).
         # The children of Lightning's subprocess launcher (its `procs`) still stuck after the grace period are killed.
