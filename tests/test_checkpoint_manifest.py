@@ -167,3 +167,27 @@ def test_world_size_change_refused_when_optimizer_state_cannot_be_converted():
     with pytest.raises(CheckpointMismatchError, match=r"written on 4 ranks, this run has 2.*NVMe.*Resume on 4 ranks"):
         refuse_mismatches(Path("x.ckpt"), {**RUN, "world_size": 4}, {**RUN, "world_size": 2}, strategy)
     refuse_mismatches(Path("x.ckpt"), {**RUN, "world_size": 4}, {**RUN, "world_size": 2}, SimpleNamespace(config={}))
+
+
+def test_resize_of_an_optimizer_the_conversion_cannot_carry_is_refused_naming_it():
+    from lightning_hpz.checkpointing.resume import refuse_unconvertible_optimizer
+
+    with pytest.raises(CheckpointMismatchError, match=r"it holds SGD state, and the conversion carries only Adam"):
+        refuse_unconvertible_optimizer(Path("x.ckpt"), {**RUN, "optimizer": "SGD"})
+    refuse_unconvertible_optimizer(Path("x.ckpt"), {**RUN, "optimizer": "AdamW"})  # carried exactly
+
+
+def test_group_settings_are_recorded_and_put_back():
+    from lightning_hpz.checkpointing.compatibility import group_settings
+    from lightning_hpz.checkpointing.universal import restore_group_settings
+
+    weights, biases = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
+    groups = [{"params": [weights], "weight_decay": 0.1}, {"params": [biases], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
+    recorded = group_settings(optimizer)
+    assert [group["weight_decay"] for group in recorded] == [0.1, 0.0] and recorded[0]["betas"] == [0.9, 0.95]
+    for group in optimizer.param_groups:  # what DeepSpeed's universal load leaves under ZeRO-3
+        group["weight_decay"] = 0.1
+    restore_group_settings(optimizer, recorded)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    assert optimizer.param_groups[1]["betas"] == (0.9, 0.95)

@@ -176,6 +176,8 @@ def test_four_to_two_ranks_resumes_identical_weights_and_trains(written, moved_d
     assert sorted(int(step) for step in losses) == [4, 5, 6, 7]
     assert all(math.isfinite(loss) for loss in losses.values())
     assert any("written on 4 ranks on 2 ranks" in w and "data order" in w for w in jobs[0][resumed_job]["warnings"])
+    # each parameter group keeps its own settings through the conversion (DeepSpeed's copied the first group's)
+    assert all(rank_jobs[resumed_job]["weight_decay"] == [0.1, 0.0] for rank_jobs in jobs)
 
 
 @pytest.mark.parametrize("job,stage,steps", [(0, 2, [4, 5]), (1, 3, [8, 9])])
@@ -186,6 +188,7 @@ def test_two_to_four_ranks_resumes_identical_weights_and_trains(moved_up, writte
     jobs = _jobs(moved_up, 4)
     _assert_weights_match(module_tmp / "up" / f"weights_job{job}.pt", source, module_tmp)
     assert [rank_jobs[job]["start_step"] for rank_jobs in jobs] == [steps[0]] * 4
+    assert all(rank_jobs[job]["weight_decay"] == [0.1, 0.0] for rank_jobs in jobs)
     losses = jobs[0][job]["losses"]
     assert sorted(int(step) for step in losses) == steps
     assert all(math.isfinite(loss) for loss in losses.values())
