@@ -21,6 +21,7 @@ from lightning_hpz import partitioning
 from lightning_hpz.autotune import resume_path
 from lightning_hpz.checkpointing import commit, compatibility, resume
 from lightning_hpz.checkpointing.errors import CheckpointRefusedError, CheckpointStorageError
+from lightning_hpz.checkpointing.preemption_retention import DEFAULT_KEEP, retire_older_preemption_checkpoints
 from lightning_hpz.exact_resume import data_order, epoch_end_checkpoint, random_layers
 from lightning_hpz.exact_resume.resumable_loader import ResumableLoader
 from lightning_hpz.lifecycle import rank_failure
@@ -199,6 +200,14 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         run = compatibility.describe_run(self, checkpoint.get("global_step"), checkpoint.get("epoch"))
         with commit.committed_save(Path(filepath), run) as staging:  # visible at `filepath` once complete
             super().save_checkpoint(checkpoint, staging, storage_options)
+        if self.global_rank == 0 and run["global_step"] is not None:
+            self._retire_older_preemption_checkpoints(run["global_step"])
+
+    def _retire_older_preemption_checkpoints(self, committed_step: int) -> None:
+        trainer = self.lightning_module.trainer
+        keep = next((c.keep for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), DEFAULT_KEEP)
+        for line in retire_older_preemption_checkpoints(Path(trainer.default_root_dir), committed_step, keep):
+            log.info("Preemption checkpoint retired: %s", line)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
