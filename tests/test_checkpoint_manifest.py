@@ -47,6 +47,7 @@ def test_commit_moves_a_complete_checkpoint_into_place_with_its_manifest(tmp_pat
         "checkpoint/zero_pp_rank_0_mp_rank_00_model_states.pt",
         "checkpoint/zero_pp_rank_0_mp_rank_00_optim_states.pt",
         SHARD,
+        "latest",  # a resume reads it too (the tag to open)
     ]
     assert recorded["files"][SHARD] == file_digest(path / SHARD)
     assert not staging_path(tmp_path / "step=4.ckpt").exists()
@@ -140,7 +141,7 @@ def test_inspect_reports_the_run_and_fails_on_damage(tmp_path, capsys):
     report = capsys.readouterr().out
     assert "ZeRO stage   3" in report and "world size   2 ranks" in report and "step         4 (epoch 0)" in report
     assert "integrity    ok (checksums match)" in report
-    assert f"size         {_kib(path)} KiB in 3 files" in report
+    assert f"size         {_kib(path)} KiB in 4 files" in report
     os.truncate(path / SHARD, 5)
     with pytest.raises(SystemExit) as exited:
         checkpoint_main(["inspect", str(path)])
@@ -191,3 +192,16 @@ def test_group_settings_are_recorded_and_put_back():
     restore_group_settings(optimizer, recorded)
     assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
     assert optimizer.param_groups[1]["betas"] == (0.9, 0.95)
+
+
+def test_verification_shares_are_balanced_by_bytes():
+    from lightning_hpz.checkpointing.manifest import balanced_share
+
+    # ZeRO-3 on 4 ranks: big optimizer shards, small model-state files (a split by name gave ranks 1 and 3 every
+    # optimizer shard)
+    sizes = {f"checkpoint/zero_pp_rank_{r}_mp_rank_00_optim_states.pt": 1000 for r in range(4)}
+    sizes |= {f"checkpoint/zero_pp_rank_{r}_mp_rank_00_model_states.pt": 10 for r in range(4)} | {"latest": 1}
+    shares = [balanced_share(sizes, rank, 4) for rank in range(4)]
+    assert sorted(name for share in shares for name in share) == sorted(sizes)  # each file once
+    loads = [sum(sizes[name] for name in share) for share in shares]
+    assert max(loads) - min(loads) <= 10

@@ -57,12 +57,15 @@ def committed_save(final: Path, run: dict[str, Any]) -> Iterator[Path]:
     check_one_folder_for_all_ranks(staging.parent)  # node-local disks: refused now, not at the resume
     yield staging
     collectives.barrier()  # every rank's files are complete
-    names = manifest.files_written_by(staging, collectives.rank(), collectives.world_size())
-    durability.persist_files(staging, names)  # on the storage, and checksummed from there
-    every_rank = collectives.all_gather_object(manifest.digests(staging, names))
+    # the writer of each file makes it durable (its own client holds the dirty pages on a network file system); then
+    # every rank checksums an equal share of the bytes, read back from the storage
+    durability.persist_files(staging, manifest.files_written_by(staging, collectives.rank(), collectives.world_size()))
+    collectives.barrier()
+    sizes = {name: (staging / name).stat().st_size for name in manifest.checkpoint_files(staging)}
+    share = manifest.balanced_share(sizes, collectives.rank(), collectives.world_size())
+    every_rank = collectives.all_gather_object(manifest.digests(staging, share))
     if collectives.rank() == 0:
         files = {name: entry for part in every_rank for name, entry in part.items()}
-        durability.persist_files(staging, sorted(set(manifest.checkpoint_files(staging)) - set(files)))
         manifest.write_manifest(staging, files, run)
         durability.persist_tree_directories(staging)  # every file's directory entry, the manifest's last
         _move_into_place(staging, final)

@@ -85,8 +85,8 @@ def refuse_inexact_resize(path: Path, saved: int, current: int, strategy: Any) -
 
 def verify_integrity(path: Path, recorded: dict[str, Any]) -> None:
     """Each rank checksums a share of the files; the damaged ones, gathered, are reported by every rank alike."""
-    names = list(recorded["files"])
-    share = names[collectives.rank() :: collectives.world_size()]
+    sizes = {name: int(entry["size"]) for name, entry in recorded["files"].items()}
+    share = manifest.balanced_share(sizes, collectives.rank(), collectives.world_size())
     problems = agreed(manifest.verify_files(path, recorded, share))
     if problems:
         raise CheckpointIntegrityError(_same_on_every_rank(lambda: manifest.damage_report(path, problems)))
