@@ -51,7 +51,8 @@ def test_commit_moves_a_complete_checkpoint_into_place_with_its_manifest(tmp_pat
     ]
     assert recorded["files"][SHARD] == file_digest(path / SHARD)
     assert not staging_path(tmp_path / "step=4.ckpt").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=4.ckpt"]  # no staging folder left behind
+    # no staging folder left behind; the writer claim stays until the run tears down
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hpz-writer.json", "step=4.ckpt"]
 
 
 def test_crash_during_save_leaves_the_previous_checkpoint_in_place(tmp_path):
@@ -81,7 +82,7 @@ def test_overwrite_replaces_the_checkpoint_only_when_complete(tmp_path):
     path = _commit(tmp_path / "last.ckpt", 2.0, step=4)
     assert read_manifest(path)["run"]["global_step"] == 4
     assert torch.load(path / SHARD)["w"][0].item() == 2.0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hpz-writer.json", "last.ckpt"]
 
 
 def test_verify_names_flipped_truncated_and_missing_files(tmp_path):

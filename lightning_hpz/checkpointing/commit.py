@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hpz import collectives
-from lightning_hpz.checkpointing import durability, manifest
+from lightning_hpz.checkpointing import durability, manifest, writer_lock
 from lightning_hpz.checkpointing.atomic_exchange import atomic_exchange
 from lightning_hpz.checkpointing.fault_points import fault_point
 from lightning_hpz.checkpointing.shared_folder import check_one_folder_for_all_ranks
@@ -55,6 +55,7 @@ def committed_save(final: Path, run: dict[str, Any]) -> Iterator[Path]:
         staging.parent.mkdir(parents=True, exist_ok=True)
     collectives.barrier()
     check_one_folder_for_all_ranks(staging.parent)  # node-local disks: refused now, not at the resume
+    writer_lock.claim_for_this_job(final.parent)  # another job writing here would delete this one's checkpoints
     yield staging
     collectives.barrier()  # every rank's files are complete
     # the writer of each file makes it durable (its own client holds the dirty pages on a network file system); then

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_hpz import partitioning
 from lightning_hpz.autotune import resume_path
-from lightning_hpz.checkpointing import commit, compatibility, resume
+from lightning_hpz.checkpointing import commit, compatibility, resume, writer_lock
 from lightning_hpz.checkpointing.errors import CheckpointRefusedError, CheckpointStorageError
 from lightning_hpz.checkpointing.preemption_retention import DEFAULT_KEEP, retire_older_preemption_checkpoints
 from lightning_hpz.exact_resume import data_order, epoch_end_checkpoint, random_layers
@@ -160,6 +160,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         try:
             super().teardown()
         finally:
+            writer_lock.release_all()  # the checkpoint folders this run claimed are free for the next job
             watch, self._peer_watch = self._peer_watch, None
             if watch is not None:
                 watch.join()
