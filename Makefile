@@ -5,6 +5,7 @@ PYTHON ?= python3
 
 install:
 	$(PYTHON) -m pip install --quiet -r requirements/cpu.txt
+	$(PYTHON) -m pip install --quiet --no-deps -r requirements/litgpt.txt
 
 # the main job: a tiny Llama-2 trained with strategy "hpz" on 4 CPU processes (two simulated nodes of two)
 quickstart: install

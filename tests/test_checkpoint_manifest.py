@@ -47,10 +47,12 @@ def test_commit_moves_a_complete_checkpoint_into_place_with_its_manifest(tmp_pat
         "checkpoint/zero_pp_rank_0_mp_rank_00_model_states.pt",
         "checkpoint/zero_pp_rank_0_mp_rank_00_optim_states.pt",
         SHARD,
+        "latest",  # a resume reads it too (the tag to open)
     ]
     assert recorded["files"][SHARD] == file_digest(path / SHARD)
     assert not staging_path(tmp_path / "step=4.ckpt").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=4.ckpt"]  # no staging folder left behind
+    # no staging folder left behind; the writer claim stays until the run tears down
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hpz-writer.json", "step=4.ckpt"]
 
 
 def test_crash_during_save_leaves_the_previous_checkpoint_in_place(tmp_path):
@@ -80,7 +82,7 @@ def test_overwrite_replaces_the_checkpoint_only_when_complete(tmp_path):
     path = _commit(tmp_path / "last.ckpt", 2.0, step=4)
     assert read_manifest(path)["run"]["global_step"] == 4
     assert torch.load(path / SHARD)["w"][0].item() == 2.0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hpz-writer.json", "last.ckpt"]
 
 
 def test_verify_names_flipped_truncated_and_missing_files(tmp_path):
@@ -140,12 +142,21 @@ def test_inspect_reports_the_run_and_fails_on_damage(tmp_path, capsys):
     report = capsys.readouterr().out
     assert "ZeRO stage   3" in report and "world size   2 ranks" in report and "step         4 (epoch 0)" in report
     assert "integrity    ok (checksums match)" in report
-    assert f"size         {_kib(path)} KiB in 3 files" in report
+    assert f"size         {_kib(path)} KiB in 4 files" in report
     os.truncate(path / SHARD, 5)
     with pytest.raises(SystemExit) as exited:
         checkpoint_main(["inspect", str(path)])
     assert exited.value.code == 1
     assert f"DAMAGED: {path / SHARD}: expected" in capsys.readouterr().out
+
+
+def test_inspect_of_a_checkpoint_without_manifest_exits_2(tmp_path, capsys):
+    path = _commit(tmp_path / "step=4.ckpt", 1.0)
+    (path / "hpz_manifest.json").unlink()
+    with pytest.raises(SystemExit) as exited:
+        checkpoint_main(["inspect", str(path)])
+    assert exited.value.code == 2  # not 0: nothing vouches for its files
+    assert "not verifiable" in capsys.readouterr().out
 
 
 def _kib(path: Path) -> str:
@@ -158,3 +169,40 @@ def test_world_size_change_refused_when_optimizer_state_cannot_be_converted():
     with pytest.raises(CheckpointMismatchError, match=r"written on 4 ranks, this run has 2.*NVMe.*Resume on 4 ranks"):
         refuse_mismatches(Path("x.ckpt"), {**RUN, "world_size": 4}, {**RUN, "world_size": 2}, strategy)
     refuse_mismatches(Path("x.ckpt"), {**RUN, "world_size": 4}, {**RUN, "world_size": 2}, SimpleNamespace(config={}))
+
+
+def test_resize_of_an_optimizer_the_conversion_cannot_carry_is_refused_naming_it():
+    from lightning_hpz.checkpointing.resume import refuse_unconvertible_optimizer
+
+    with pytest.raises(CheckpointMismatchError, match=r"it holds SGD state, and the conversion carries only Adam"):
+        refuse_unconvertible_optimizer(Path("x.ckpt"), {**RUN, "optimizer": "SGD"})
+    refuse_unconvertible_optimizer(Path("x.ckpt"), {**RUN, "optimizer": "AdamW"})  # carried exactly
+
+
+def test_group_settings_are_recorded_and_put_back():
+    from lightning_hpz.checkpointing.compatibility import group_settings
+    from lightning_hpz.checkpointing.universal import restore_group_settings
+
+    weights, biases = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
+    groups = [{"params": [weights], "weight_decay": 0.1}, {"params": [biases], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
+    recorded = group_settings(optimizer)
+    assert [group["weight_decay"] for group in recorded] == [0.1, 0.0] and recorded[0]["betas"] == [0.9, 0.95]
+    for group in optimizer.param_groups:  # what DeepSpeed's universal load leaves under ZeRO-3
+        group["weight_decay"] = 0.1
+    restore_group_settings(optimizer, recorded)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    assert optimizer.param_groups[1]["betas"] == (0.9, 0.95)
+
+
+def test_verification_shares_are_balanced_by_bytes():
+    from lightning_hpz.checkpointing.manifest import balanced_share
+
+    # ZeRO-3 on 4 ranks: big optimizer shards, small model-state files (a split by name gave ranks 1 and 3 every
+    # optimizer shard)
+    sizes = {f"checkpoint/zero_pp_rank_{r}_mp_rank_00_optim_states.pt": 1000 for r in range(4)}
+    sizes |= {f"checkpoint/zero_pp_rank_{r}_mp_rank_00_model_states.pt": 10 for r in range(4)} | {"latest": 1}
+    shares = [balanced_share(sizes, rank, 4) for rank in range(4)]
+    assert sorted(name for share in shares for name in share) == sorted(sizes)  # each file once
+    loads = [sum(sizes[name] for name in share) for share in shares]
+    assert max(loads) - min(loads) <= 10

@@ -75,9 +75,12 @@ def moved_down(written, module_tmp):
     jobs[-1]["stage"] = 2
     # its own directory: its saves must not become the "last" checkpoint the next job resumes
     scratch = str(module_tmp / "ckpts_scratch")
-    jobs.append({"stage": 3, "max_steps": 5, "ckpt_path": str(copies["no_manifest"]), "ckpt_dir": scratch})
-    jobs.append({"stage": 3, "max_steps": 8, "ckpt_path": "last"})
+    # 4 -> 2 ranks: exact in weights and optimizer state, not in data order, so only with exact_resume=False
+    resize = {"stage": 3, "exact_resume": False}
+    jobs.append({**resize, "max_steps": 5, "ckpt_path": str(copies["no_manifest"]), "ckpt_dir": scratch})
+    jobs.append({**resize, "max_steps": 8, "ckpt_path": "last"})
     jobs.append({"stage": 2, "max_steps": 4, "ckpt_dir": str(module_tmp / "ckpts_stage2")})
+    jobs.append({"stage": 3, "max_steps": 8, "ckpt_path": str(ckpts / "step=4.ckpt"), "ckpt_dir": scratch})
     options = {"devices": 2, "ckpt_dir": str(ckpts), "jobs": jobs}
     return run_script("checkpoint_training.py", options, module_tmp / "down", timeout=500, ranks=2), copies
 
@@ -90,6 +93,8 @@ def moved_up(moved_down, written, module_tmp):
         {"stage": 2, "max_steps": 6, "ckpt_path": str(module_tmp / "ckpts_stage2" / "step=4.ckpt")},
         {"stage": 3, "hpz": 2, "max_steps": 10, "ckpt_path": str(ckpts / "step=8.ckpt")},
     ]
+    for job in jobs:
+        job["exact_resume"] = False  # a resize: see test_resize_under_exact_resume_is_refused
     options = {"devices": 4, "ckpt_dir": str(module_tmp / "ckpts_up"), "jobs": jobs}
     return run_script("checkpoint_training.py", options, module_tmp / "up", timeout=400, ranks=4)
 
@@ -171,6 +176,8 @@ def test_four_to_two_ranks_resumes_identical_weights_and_trains(written, moved_d
     assert sorted(int(step) for step in losses) == [4, 5, 6, 7]
     assert all(math.isfinite(loss) for loss in losses.values())
     assert any("written on 4 ranks on 2 ranks" in w and "data order" in w for w in jobs[0][resumed_job]["warnings"])
+    # each parameter group keeps its own settings through the conversion (DeepSpeed's copied the first group's)
+    assert all(rank_jobs[resumed_job]["weight_decay"] == [0.1, 0.0] for rank_jobs in jobs)
 
 
 @pytest.mark.parametrize("job,stage,steps", [(0, 2, [4, 5]), (1, 3, [8, 9])])
@@ -181,6 +188,16 @@ def test_two_to_four_ranks_resumes_identical_weights_and_trains(moved_up, writte
     jobs = _jobs(moved_up, 4)
     _assert_weights_match(module_tmp / "up" / f"weights_job{job}.pt", source, module_tmp)
     assert [rank_jobs[job]["start_step"] for rank_jobs in jobs] == [steps[0]] * 4
+    assert all(rank_jobs[job]["weight_decay"] == [0.1, 0.0] for rank_jobs in jobs)
     losses = jobs[0][job]["losses"]
     assert sorted(int(step) for step in losses) == steps
     assert all(math.isfinite(loss) for loss in losses.values())
+
+
+def test_resize_under_exact_resume_is_refused(moved_down):
+    # exact_resume=True (the default) promises the interrupted run's batches, which another world size cannot give
+    errors = [rank_jobs[-1] for rank_jobs in _jobs(moved_down[0], 2)]
+    assert errors[0] == errors[1]
+    assert errors[0]["error_type"] == "CheckpointMismatchError"
+    assert "it was written on 4 ranks and this run has 2" in errors[0]["error"]
+    assert "HpzStrategy(exact_resume=False)" in errors[0]["error"]

@@ -24,7 +24,7 @@ def warmup_rates(steps: int) -> list[float]:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_scheduler_and_counters_follow_the_loop(module_tmp, stage):
-    run = run_script("fabric_engine_steps.py", {"stage": stage, "steps": STEPS}, module_tmp / f"stage{stage}")
+    run = run_script("fabric_engine_steps.py", {"stage": stage, "steps": STEPS}, module_tmp / f"stage{stage}", ranks=2)
     assert_succeeded(run, ranks=2)
     expected = warmup_rates(STEPS)
     assert expected[-1] == 0.01 and expected[0] < expected[1]  # the reference does warm up
@@ -35,7 +35,9 @@ def test_scheduler_and_counters_follow_the_loop(module_tmp, stage):
 
 def test_the_loops_own_scheduler_steps_once_per_step(module_tmp):
     # passed to fabric.setup and stepped by the loop, as under every Fabric strategy: the engine must not step it too
-    run = run_script("fabric_engine_steps.py", {"stage": 3, "steps": STEPS, "own_scheduler": True}, module_tmp / "own")
+    run = run_script(
+        "fabric_engine_steps.py", {"stage": 3, "steps": STEPS, "own_scheduler": True}, module_tmp / "own", ranks=2
+    )
     assert_succeeded(run, ranks=2)
     for rank, record in run.ranks.items():
         assert record["global_steps"] == STEPS, rank

@@ -16,7 +16,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from lightning_hpz.cli.main import refuse_run_that_trained_nothing
+from lightning_hpz.cli.trained_steps import StepAtTrainStart, refuse_run_that_trained_nothing
 from lightning_hpz.lifecycle.run_exit import NOTHING_TRAINED_EXIT_CODE
 from lightning_hpz.models import TrainingSummary
 
@@ -72,6 +72,26 @@ def test_a_fit_that_trained_nothing_exits_non_zero_with_the_numbers(tmp_path, ca
     assert "Nothing was trained: fit ended after 0 optimizer steps (max_steps=10, 0 training batches" in (
         capsys.readouterr().err
     )
+
+
+def test_a_resumed_fit_that_trained_nothing_exits_4(tmp_path, capsys):
+    first = _trainer(tmp_path, [], max_steps=2)
+    first.fit(BoringModel())
+    first.save_checkpoint(tmp_path / "at_end.ckpt")
+    start = StepAtTrainStart()
+    resumed = _trainer(tmp_path, [start], max_steps=2)
+    resumed.fit(BoringModel(), ckpt_path=tmp_path / "at_end.ckpt")
+    assert resumed.global_step == 2  # the interrupted run's steps: global_step alone cannot tell
+    with pytest.raises(SystemExit) as ended:
+        refuse_run_that_trained_nothing(resumed, start)
+    assert ended.value.code == NOTHING_TRAINED_EXIT_CODE
+    assert "the run resumed at step 2 and fit ended there (max_steps=2" in capsys.readouterr().err
+    # one more step asked for: trained, left alone
+    start = StepAtTrainStart()
+    further = _trainer(tmp_path, [start], max_steps=3)
+    further.fit(BoringModel(), ckpt_path=tmp_path / "at_end.ckpt")
+    refuse_run_that_trained_nothing(further, start)  # no SystemExit
+    assert start.step == 2 and further.global_step == 3
 
 
 def test_a_fit_that_trained_is_left_alone(tmp_path):

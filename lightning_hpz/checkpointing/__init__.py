@@ -4,7 +4,12 @@ Light to import (no torch): ``manifest`` and ``errors`` serve the command-line t
 (``commit``, ``resume``, ``universal``, ``compatibility``) are imported by the strategy where it uses them.
 """
 
-from lightning_hpz.checkpointing.errors import CheckpointIntegrityError, CheckpointMismatchError, CheckpointRefusedError
+from lightning_hpz.checkpointing.errors import (
+    CheckpointIntegrityError,
+    CheckpointMismatchError,
+    CheckpointRefusedError,
+    CheckpointStorageError,
+)
 from lightning_hpz.checkpointing.manifest import MANIFEST_NAME, last_good_checkpoint, read_manifest
 
 __all__ = [
@@ -12,6 +17,7 @@ __all__ = [
     "CheckpointIntegrityError",
     "CheckpointMismatchError",
     "CheckpointRefusedError",
+    "CheckpointStorageError",
     "last_good_checkpoint",
     "read_manifest",
 ]

@@ -13,6 +13,7 @@ send the requeued job to a ``hpc_ckpt_3.ckpt`` that does not exist.
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hpz import collectives
-from lightning_hpz.checkpointing import manifest
+from lightning_hpz.checkpointing import durability, manifest, writer_lock
+from lightning_hpz.checkpointing.atomic_exchange import atomic_exchange
+from lightning_hpz.checkpointing.fault_points import fault_point
+from lightning_hpz.checkpointing.shared_folder import check_one_folder_for_all_ranks
+
+log = logging.getLogger(__name__)
 
 STAGING_FOLDER = ".hpz-staging"
 PARTIAL_SUFFIX = ".partial"
@@ -41,17 +47,28 @@ def committed_save(final: Path, run: dict[str, Any]) -> Iterator[Path]:
     final = Path(final)
     staging = staging_path(final)
     if collectives.rank() == 0:
+        repaired = repair_interrupted_commit(final)  # a crash mid-commit must not cost the checkpoint at `final`
+        if repaired:
+            log.warning("Checkpoint %s: the previous save was interrupted while committing; %s.", final, repaired)
         if staging.exists():
             shutil.rmtree(staging)  # left by a run that crashed while saving
         staging.parent.mkdir(parents=True, exist_ok=True)
     collectives.barrier()
+    check_one_folder_for_all_ranks(staging.parent)  # node-local disks: refused now, not at the resume
+    writer_lock.claim_for_this_job(final.parent)  # another job writing here would delete this one's checkpoints
     yield staging
     collectives.barrier()  # every rank's files are complete
-    mine = manifest.digests(staging, manifest.files_written_by(staging, collectives.rank(), collectives.world_size()))
-    every_rank = collectives.all_gather_object(mine)
+    # the writer of each file makes it durable (its own client holds the dirty pages on a network file system); then
+    # every rank checksums an equal share of the bytes, read back from the storage
+    durability.persist_files(staging, manifest.files_written_by(staging, collectives.rank(), collectives.world_size()))
+    collectives.barrier()
+    sizes = {name: (staging / name).stat().st_size for name in manifest.checkpoint_files(staging)}
+    share = manifest.balanced_share(sizes, collectives.rank(), collectives.world_size())
+    every_rank = collectives.all_gather_object(manifest.digests(staging, share))
     if collectives.rank() == 0:
         files = {name: entry for part in every_rank for name, entry in part.items()}
         manifest.write_manifest(staging, files, run)
+        durability.persist_tree_directories(staging)  # every file's directory entry, the manifest's last
         _move_into_place(staging, final)
         with contextlib.suppress(OSError):  # still holding another save's files, or already gone
             staging.parent.rmdir()
@@ -59,12 +76,62 @@ def committed_save(final: Path, run: dict[str, Any]) -> Iterator[Path]:
 
 
 def _move_into_place(staging: Path, final: Path) -> None:
-    # Overwriting (``last.ckpt``): the old copy moves aside first and is deleted only after the new one is in place.
+    """Put the complete staged copy at ``final``; at every instant of this, ``final`` or a repairable state exists.
+
+    Overwriting (``last.ckpt``): where the file system can swap two paths atomically (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``: ext4, xfs, btrfs, tmpfs), the new copy and the old one swap places and the old one is deleted
+    after; ``final`` always holds a complete checkpoint. Elsewhere the old copy moves aside first; a crash before the
+    new one is in place is repaired at the next save or start (:func:`repair_interrupted_commit`).
+    """
+    fault_point("commit:manifest_written")
+    if not final.exists():
+        staging.rename(final)
+        _persist_entries(final, staging)
+        fault_point("commit:new_in_place")
+        return
+    if atomic_exchange(staging, final):
+        _persist_entries(final, staging)  # the new copy is durably in place before the old one goes
+        fault_point("commit:new_in_place")
+        shutil.rmtree(staging)
+        return
     replaced = replaced_path(final)
-    if final.exists():
-        if replaced.exists():
-            shutil.rmtree(replaced)
-        final.rename(replaced)
-    staging.rename(final)
     if replaced.exists():
         shutil.rmtree(replaced)
+    final.rename(replaced)
+    fault_point("commit:old_moved_aside")
+    staging.rename(final)
+    _persist_entries(final, staging)
+    fault_point("commit:new_in_place")
+    shutil.rmtree(replaced)
+
+
+def _persist_entries(final: Path, staging: Path) -> None:
+    durability.persist_directory(final.parent)
+    durability.persist_directory(staging.parent)
+
+
+def repair_interrupted_commit(final: Path) -> str:
+    """Finish or undo a commit of ``final`` that a crash interrupted; what was done ("" when nothing was needed).
+
+    Rolls forward when the staged copy is complete (its manifest, written last, is there and every file has its
+    recorded size), else back to the copy moved aside. Runs on one process (rank 0) before a save touches staging.
+    """
+    final, staging, replaced = Path(final), staging_path(Path(final)), replaced_path(Path(final))
+    if final.exists():
+        if replaced.exists():  # the new copy made it; the old one was not deleted yet
+            shutil.rmtree(replaced)
+            return "deleted the copy a finished commit had moved aside"
+        return ""
+    if not replaced.exists():
+        return ""
+    if _staged_copy_is_complete(staging):
+        staging.rename(final)
+        shutil.rmtree(replaced)
+        return "rolled forward to the complete staged copy"
+    replaced.rename(final)
+    return "rolled back to the previous copy"
+
+
+def _staged_copy_is_complete(staging: Path) -> bool:
+    recorded = manifest.read_manifest(staging) if staging.is_dir() else None
+    return bool(recorded) and not manifest.verify_files(staging, recorded, list(recorded["files"]), hash_contents=False)

@@ -21,8 +21,26 @@ def describe_run(strategy: Any, global_step: Optional[int] = None, epoch: Option
         "global_step": global_step,
         "epoch": epoch,
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "param_groups": group_settings(optimizer),
         "parameters": {name: list(getattr(p, "ds_shape", p.shape)) for name, p in module.named_parameters()},
     }
+
+
+def group_settings(optimizer: Any) -> Optional[list[dict[str, Any]]]:
+    """Each parameter group's settings (learning rate, weight decay, betas, ...), without its parameters."""
+    if optimizer is None:
+        return None
+    return [
+        {key: list(value) if isinstance(value, tuple) else value for key, value in group.items() if _plain(key, value)}
+        for group in optimizer.param_groups
+    ]
+
+
+def _plain(key: str, value: Any) -> bool:
+    scalars = (bool, int, float, str, type(None))
+    return key != "params" and (
+        isinstance(value, scalars) or (isinstance(value, tuple) and all(isinstance(item, scalars) for item in value))
+    )
 
 
 def mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

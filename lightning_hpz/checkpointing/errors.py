@@ -13,3 +13,7 @@ class CheckpointIntegrityError(CheckpointRefusedError):
 
 class CheckpointMismatchError(CheckpointRefusedError):
     """The checkpoint was written by a run this one cannot continue (ZeRO stage, model shape, optimizer, ...)."""
+
+
+class CheckpointStorageError(RuntimeError):
+    """Checkpoints cannot be saved where asked (a folder that is not the same for every rank); raised before writing."""

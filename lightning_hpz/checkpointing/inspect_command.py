@@ -9,11 +9,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning_hpz.checkpointing import manifest
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+DAMAGED_EXIT_CODE = 1
+UNVERIFIABLE_EXIT_CODE = 2  # no manifest
 
 
 def checkpoint_main(argv: Sequence[str]) -> None:
@@ -25,19 +29,21 @@ def checkpoint_main(argv: Sequence[str]) -> None:
     args = parser.parse_args(list(argv))
     lines, intact = inspect_checkpoint(Path(args.checkpoint_dir), checksums=not args.no_checksums)
     print("\n".join(lines))
+    if intact is None:  # nothing to verify against: a script must not take it for a verified checkpoint
+        raise SystemExit(UNVERIFIABLE_EXIT_CODE)
     if not intact:
-        raise SystemExit(1)
+        raise SystemExit(DAMAGED_EXIT_CODE)
 
 
-def inspect_checkpoint(checkpoint_dir: Path, checksums: bool = True) -> tuple[list[str], bool]:
-    """Lines describing ``checkpoint_dir``, and whether every file matches its manifest."""
+def inspect_checkpoint(checkpoint_dir: Path, checksums: bool = True) -> tuple[list[str], Optional[bool]]:
+    """Lines describing ``checkpoint_dir``, and whether every file matches its manifest (None: it has none)."""
     from lightning_hpz.checkpointing.consolidate import validate_checkpoint_dir
 
     checkpoint_dir = validate_checkpoint_dir(checkpoint_dir)
     recorded = manifest.read_manifest(checkpoint_dir)
     lines = [_row("checkpoint", str(checkpoint_dir))]
     if recorded is None:
-        return lines + _without_manifest(checkpoint_dir), True
+        return lines + _without_manifest(checkpoint_dir), None
     problems = manifest.verify_files(checkpoint_dir, recorded, list(recorded["files"]), hash_contents=checksums)
     run = recorded["run"]
     checked = "checksums" if checksums else "sizes"

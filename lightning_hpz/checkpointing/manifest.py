@@ -17,6 +17,7 @@ from typing import Any, Optional
 MANIFEST_NAME = "hpz_manifest.json"
 MANIFEST_FORMAT = 1
 UNIVERSAL_DIR = "universal"  # the converted copy for other world sizes (universal.py)
+LATEST_NAME = "latest"  # DeepSpeed's file naming the tag to load
 DEEPSPEED_TAG = "checkpoint"  # the tag Lightning's DeepSpeedStrategy saves under: <ckpt>/checkpoint/*.pt
 _CHUNK = 8 << 20
 _RANK_IN_NAME = re.compile(r"zero_pp_rank_(\d+)_")
@@ -32,9 +33,23 @@ def file_digest(path: Path) -> dict[str, Any]:
 
 
 def checkpoint_files(checkpoint_dir: Path) -> list[str]:
-    """Every file DeepSpeed wrote for the checkpoint, relative to ``checkpoint_dir``, sorted."""
+    """Every file DeepSpeed wrote for the checkpoint that a resume reads, relative to ``checkpoint_dir``, sorted: the
+    tag folder's, and ``latest`` (the tag a resume opens)."""
     tag_dir = checkpoint_dir / DEEPSPEED_TAG
-    return sorted(str(p.relative_to(checkpoint_dir)) for p in tag_dir.rglob("*") if p.is_file())
+    names = [str(p.relative_to(checkpoint_dir)) for p in tag_dir.rglob("*") if p.is_file()]
+    return sorted(names + [LATEST_NAME] * (checkpoint_dir / LATEST_NAME).is_file())
+
+
+def balanced_share(sizes: dict[str, int], rank: int, world_size: int) -> list[str]:
+    """The files ``rank`` checksums: the largest first, each to the rank with the fewest bytes so far, so that every
+    rank reads about the same number of bytes (a split by name left stage 3's odd ranks every optimizer shard).
+    The same on every rank for the same sizes."""
+    loads, shares = [0] * world_size, [[] for _ in range(world_size)]
+    for name, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
+        least = loads.index(min(loads))
+        shares[least].append(name)
+        loads[least] += size
+    return sorted(shares[rank])
 
 
 def files_written_by(checkpoint_dir: Path, rank: int, world_size: int) -> list[str]:

@@ -7,6 +7,7 @@ message instead of one rank's traceback and the others' "Connection closed by pe
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +40,53 @@ def prepare_load(strategy: Any, checkpoint_path: Any) -> tuple[Path, contextlib.
     refuse_mismatches(path, saved, current, strategy)
     if saved.get("world_size") in (None, current["world_size"]):
         return path, contextlib.nullcontext()
+    refuse_inexact_resize(path, saved["world_size"], current["world_size"], strategy)
+    refuse_unconvertible_optimizer(path, saved)
+    rank_zero_warn(universal.DATA_ORDER_WARNING.format(saved=saved["world_size"], current=current["world_size"]))
+    return universal.universal_copy(path), _universal_resume(strategy.deepspeed_engine, saved.get("param_groups"))
+
+
+@contextlib.contextmanager
+def _universal_resume(engine: Any, groups: Any) -> Iterator[None]:
     from lightning_hpz.partitioning.universal_load import universal_loading
 
-    rank_zero_warn(universal.DATA_ORDER_WARNING.format(saved=saved["world_size"], current=current["world_size"]))
-    return universal.universal_copy(path), universal_loading(strategy.deepspeed_engine)
+    with universal_loading(engine):
+        yield
+    # DeepSpeed's universal loader gives every group the first group's settings under ZeRO-3 (a no-decay group gets
+    # weight decay); the checkpoint's manifest recorded each group's own
+    universal.restore_group_settings(engine.optimizer, groups)
+
+
+def refuse_unconvertible_optimizer(path: Path, saved: dict[str, Any]) -> None:
+    """A resize converts Adam's two moments and nothing else: any other optimizer is refused, named."""
+    name = saved.get("optimizer")
+    if name is not None and name not in universal.CONVERTIBLE_OPTIMIZERS:
+        raise CheckpointMismatchError(
+            f"Cannot resume {path} on another number of ranks: it holds {name} state, and the conversion carries only "
+            f"Adam's moments ({', '.join(sorted(universal.CONVERTIBLE_OPTIMIZERS))}). Resume on "
+            f"{saved.get('world_size')} ranks, or start the optimizer afresh from the weights "
+            "(load them with `load_full_weights`)."
+        )
+
+
+def refuse_inexact_resize(path: Path, saved: int, current: int, strategy: Any) -> None:
+    """Under ``exact_resume=True`` resuming training on another number of ranks is refused: its data order cannot
+    repeat. Evaluation (``validate``/``test``/``predict`` from a checkpoint) has no order to keep."""
+    trainer = getattr(getattr(strategy, "lightning_module", None), "_trainer", None)
+    fitting = trainer is not None and trainer.state.fn == "fit"
+    if fitting and getattr(strategy, "exact_resume", False):
+        raise CheckpointMismatchError(
+            f"Cannot resume {path} exactly: it was written on {saved} ranks and this run has {current}, so each global "
+            f"batch would hold {current} per-rank batches instead of {saved} and the data order from here on would "
+            f"differ. Resume on {saved} ranks, or pass HpzStrategy(exact_resume=False) to resume with weights, "
+            "optimizer state and step counters exact and the data order changed."
+        )
 
 
 def verify_integrity(path: Path, recorded: dict[str, Any]) -> None:
     """Each rank checksums a share of the files; the damaged ones, gathered, are reported by every rank alike."""
-    names = list(recorded["files"])
-    share = names[collectives.rank() :: collectives.world_size()]
+    sizes = {name: int(entry["size"]) for name, entry in recorded["files"].items()}
+    share = manifest.balanced_share(sizes, collectives.rank(), collectives.world_size())
     problems = agreed(manifest.verify_files(path, recorded, share))
     if problems:
         raise CheckpointIntegrityError(_same_on_every_rank(lambda: manifest.damage_report(path, problems)))

@@ -16,6 +16,7 @@ import contextlib
 import io
 import shutil
 from pathlib import Path
+from typing import Any
 
 from lightning_hpz import collectives
 from lightning_hpz.checkpointing.errors import CheckpointMismatchError
@@ -64,3 +65,17 @@ def convert_to_universal(checkpoint_dir: Path, target: Path) -> None:
         ds_to_universal.main(args)
     (partial / "latest").write_text(DEEPSPEED_TAG)  # Lightning checks for it before handing the path to DeepSpeed
     partial.rename(target)
+
+
+# optimizers whose state the universal conversion carries completely (exp_avg and exp_avg_sq, and the step)
+CONVERTIBLE_OPTIMIZERS = frozenset({"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam"})
+
+
+def restore_group_settings(optimizer: Any, groups: Any) -> None:
+    """Put each parameter group's recorded settings back (the group count must match: same model, same optimizer)."""
+    if not groups or optimizer is None or len(optimizer.param_groups) != len(groups):
+        return
+    for group, settings in zip(optimizer.param_groups, groups, strict=True):
+        for key, value in settings.items():
+            if key in group:
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value

@@ -10,10 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:
-    from lightning.pytorch import Trainer
+from typing import Optional
 
 TOOLS: dict[str, tuple[str, str, str]] = {
     "strategies": ("lightning_hpz.cli.main", "print_strategies", "list the strategy names registered by lightning_hpz"),
@@ -85,11 +82,14 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
     register_now()  # "hpz" and friends, before the Trainer parses `strategy:`
 
     from lightning_hpz.cli.errors import user_facing_message
+    from lightning_hpz.cli.trained_steps import StepAtTrainStart, refuse_run_that_trained_nothing
 
+    start = StepAtTrainStart()
     try:
         cli = LightningCLI(
             subclass_mode_model=True,
             subclass_mode_data=True,
+            trainer_defaults={"callbacks": [start]},  # persistent: a config's own callbacks come in addition
             # None when argv is the command line itself: LightningCLI warns when given sys.argv as `args`
             args=None if list(argv) == sys.argv[1:] else list(argv),
             auto_configure_optimizers=False,
@@ -100,23 +100,7 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
             raise
         sys.exit(f"\nlightning-hpz {argv[0]}: error: {message}")
     if cli.subcommand == "fit":
-        refuse_run_that_trained_nothing(cli.trainer)
-
-
-def refuse_run_that_trained_nothing(trainer: Trainer) -> None:
-    """A fit that ran no optimizer step although steps were asked for ends non-zero, saying why."""
-    from lightning_hpz.lifecycle.run_exit import NOTHING_TRAINED_EXIT_CODE, exit_code_for_rank
-
-    if trainer.global_step > 0 or 0 in (trainer.max_steps, trainer.max_epochs, trainer.limit_train_batches):
-        return
-    message = (
-        f"Nothing was trained: fit ended after 0 optimizer steps (max_steps={trainer.max_steps}, "
-        f"{trainer.num_training_batches} training batches per epoch on each rank). Check that the data has at least "
-        "one global batch (batch size x devices x nodes x accumulate_grad_batches) and that limit_train_batches > 0."
-    )
-    if trainer.is_global_zero:
-        print(message, file=sys.stderr)
-    raise SystemExit(exit_code_for_rank(trainer, NOTHING_TRAINED_EXIT_CODE))
+        refuse_run_that_trained_nothing(cli.trainer, start)
 
 
 def print_strategies(argv: Sequence[str] = ()) -> None:

@@ -32,12 +32,17 @@ class PreemptionCheckpoint(Callback):
 
     ``HpzStrategy`` adds this callback unless told not to (``handle_preemption=False``); it works with any strategy.
 
+    A later commit retires the preemption checkpoints older than itself (``preempted-step=<S>.ckpt``, which
+    auto-resume ignores: it would prefer any ``hpc_ckpt_*`` to a newer ``last.ckpt``) and keeps the newest ``keep``.
+
     Args:
         signals: the signal names that mean "preempted". Default SIGTERM and SIGUSR1.
+        keep: retired preemption checkpoints kept, the newest first. Default 1.
     """
 
-    def __init__(self, signals: tuple[str, ...] = DEFAULT_SIGNALS) -> None:
+    def __init__(self, signals: tuple[str, ...] = DEFAULT_SIGNALS, keep: int = 1) -> None:
         self.preemption = PreemptionSignals(tuple(signals))
+        self.keep = keep
         self._step_at_batch_start = -1
         self.checkpoint: Optional[str] = None
         self._agreement: Optional[collectives.PendingReduction] = None  # the flags of the previous optimizer step

@@ -38,6 +38,16 @@ _NEEDS_DEEPSPEED = {
     "restore_loss_scale": "loss_scale_state",
     "ensure_hpz_groups": "inference_engine",
     "optimizer_less_checkpoint_load": "inference_engine",
+    "clipped_step": "step_clipping",
+    "clipping_optimizer": "step_clipping",
+    "write_step_norm": "step_clipping",
+    "request_loop_owned_accumulation": "loop_owned_accumulation",
+    "loop_owns_accumulation": "loop_owned_accumulation",
+    "refresh_master_weights": "master_weights",
+    "OpenWrites": "placeholder_writes",
+    "loads_reach_shards": "placeholder_writes",
+    "registered_parameters": "placeholder_writes",
+    "writes_reach_shards": "placeholder_writes",
 }
 
 __getattr__, __dir__ = lazy_names(__name__, _NEEDS_DEEPSPEED)

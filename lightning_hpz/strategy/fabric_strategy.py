@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
@@ -10,6 +12,9 @@ from lightning.fabric.utilities.seed import reset_seed
 from typing_extensions import override
 
 from lightning_hpz import partitioning
+from lightning_hpz.strategy import separate_optimizer_setup
+from lightning_hpz.strategy.accumulate_until_step import ACCUMULATE_UNTIL_STEP, AccumulateUntilStep
+from lightning_hpz.strategy.deferred_engine import DeferredEngine
 from lightning_hpz.strategy.hpz_setup import HpzSetup
 
 
@@ -26,12 +31,43 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     you write sharded weights yourself. ``fabric.load`` refreshes them and, with ``verify_after_load``, checks them at
     the next ``fabric.backward``. Call ``fabric.strategy.teardown()`` when done: Fabric never calls it itself, and
     it undoes what setup installed in DeepSpeed.
+
+    Unlike Lightning's DeepSpeed strategy, it also runs loops written for FSDP-style strategies (LitGPT's among them):
+    ``fabric.setup(model)`` then ``fabric.setup_optimizers(optimizer)`` builds the engine at the second call;
+    ``fabric.clip_gradients(..., max_norm=...)`` clips by the global norm inside the next step (the returned tensor
+    receives that step's norm); ``fabric.no_backward_sync`` accumulates until ``optimizer.step()``, which is the
+    accumulation boundary; and ``optimizer.step()`` steps DeepSpeed's engine.
     """
+
+    builds_engine_in_two_steps = True  # read by lightning_hpz.strategy.separate_optimizer_setup
 
     # Fabric internals relied on (lightning/fabric/strategies/deepspeed.py, connector.py; Lightning 2.6): the connector
     # calls `_configure_launcher` before launch; `_setup_distributed`, `_init_deepspeed_distributed`,
     # `_initialize_engine`, `_format_config`/`_config_initialized` and `_deepspeed_engine` are overridden or read.
     _lightning_deepspeed_strategy = DeepSpeedStrategy
+
+    _deferred: Optional[DeferredEngine] = None  # from setup_module, until the engine is built
+    _open_writes: Any = None  # partitioning.OpenWrites from the end of `fabric.init_module()` until set-up
+    _pending_clip: Optional[tuple[float, torch.Tensor]] = None  # (max_norm, the norm to fill) at the next step
+
+    # Lightning's __init__ sets None ("DeepSpeed handles gradient accumulation internally"); here the loop owns it.
+    @property
+    def _backward_sync_control(self) -> AccumulateUntilStep:
+        return ACCUMULATE_UNTIL_STEP
+
+    @_backward_sync_control.setter
+    def _backward_sync_control(self, _: Any) -> None:
+        pass
+
+    # Fabric's backward assigns the module it was given (the `_FabricModule`'s inner one) to `_deepspeed_engine`; when
+    # that is a DeferredEngine the strategy keeps the engine inside it.
+    @property
+    def _deepspeed_engine(self) -> Any:
+        return self.__dict__.get("_engine")
+
+    @_deepspeed_engine.setter
+    def _deepspeed_engine(self, engine: Any) -> None:
+        self.__dict__["_engine"] = engine.built_engine() if isinstance(engine, DeferredEngine) else engine
 
     @override
     def _setup_distributed(self) -> None:
@@ -59,8 +95,71 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
             deepspeed_scheduler = scheduler
         if self.zero_stage_3:
             partitioning.order_converted_parameters(model)  # converted by a zero.Init outside fabric.init_module
+        # `model.load_state_dict(whole_weights)` after set-up, as scripts for DDP or FSDP do: the weights reach the
+        # ZeRO-3 shards and the optimizer's master copy, which the next step would otherwise restore
+        partitioning.loads_reach_shards(model, after_load=lambda: partitioning.refresh_master_weights(engine))
         self._watch_load_state_dict(model)
         return engine, deepspeed_optimizer, deepspeed_scheduler
+
+    @override
+    def _format_config(self) -> None:
+        super()._format_config()
+        partitioning.request_loop_owned_accumulation(self.config)
+
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        context = super().module_init_context(empty_init=empty_init)
+        return self._writes_reach_shards_after(context) if self.zero_stage_3 else context
+
+    @contextmanager
+    def _writes_reach_shards_after(self, init_context: AbstractContextManager) -> Iterator[None]:
+        # Loops written for other strategies re-initialise (LitGPT: every `reset_parameters`) or load the model
+        # between `fabric.init_module()` and `fabric.setup`; under ZeRO-3 those writes must reach the shards.
+        with partitioning.registered_parameters() as built, init_context:
+            yield
+        self._close_open_writes()
+        self._open_writes = partitioning.OpenWrites(built)
+
+    def _close_open_writes(self) -> None:
+        if self._open_writes is not None:
+            self._open_writes.close()
+            self._open_writes = None
+
+    @override
+    def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: Any, scheduler: Any = None) -> Any:
+        self._close_open_writes()
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+    @override
+    def setup_module(self, module: torch.nn.Module) -> DeferredEngine:
+        # The engine needs the optimizer, which an FSDP-style loop creates from the set-up model and hands to
+        # `setup_optimizers` next; without one, the first use builds an inference engine, as Lightning does here.
+        self._close_open_writes()
+        self._deferred = DeferredEngine(module, self._build_inference_engine)
+        return self._deferred
+
+    def _build_inference_engine(self, module: torch.nn.Module) -> Any:
+        self._deepspeed_engine, _, _ = self._initialize_engine(module)
+        return self._deepspeed_engine
+
+    @override
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        deferred = self._deferred
+        if deferred is None or deferred.built:
+            raise RuntimeError(_no_model_waits_for_an_optimizer(deferred))
+        engine, zero_optimizer, _ = self._initialize_engine(deferred.module, optimizer)
+        self._deepspeed_engine = engine
+        self._set_deepspeed_activation_checkpointing()
+        deferred.attach(engine)
+        # The loop gets its own optimizer back (DeepSpeed steps it inside the ZeRO optimizer, over the shards): it is
+        # a torch Optimizer, so torch's schedulers accept it and `defaults`/`param_groups` read as the loop expects
+        # (LitGPT reads `optimizer.defaults["lr"]`). `optimizer.step()` still steps the engine (`optimizer_step`).
+        inner = getattr(zero_optimizer, "optimizer", None)
+        return inner if isinstance(inner, torch.optim.Optimizer) else zero_optimizer
+
+    def _built_deferred_engine(self) -> None:
+        if self._deferred is not None and self._deepspeed_engine is None:
+            self._deferred.built_engine()
 
     @override
     def module_sharded_context(self) -> Any:
@@ -69,6 +168,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
     @override
     def _hpz_module(self) -> torch.nn.Module:
+        self._built_deferred_engine()
         if self._deepspeed_engine is None:
             raise RuntimeError(
                 "HpzFabricStrategy has no model yet: call `fabric.setup(model, optimizer)` before checking or "
@@ -84,9 +184,48 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(self._stepped_through_engine(optimizer, kwargs), **kwargs)
+        clip, self._pending_clip = self._pending_clip, None
+        with partitioning.clipped_step(self._deepspeed_engine, clip[0]) if clip else nullcontext():
+            output = super().optimizer_step(self._stepped_through_engine(optimizer, kwargs), **kwargs)
+        if clip:
+            partitioning.write_step_norm(self._deepspeed_engine, into=clip[1])
         self._note_optimizer_step()
         return output
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Any,
+        optimizer: Any,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Clip by the global 2-norm over every shard in the next ``optimizer.step()``; returns that step's norm.
+
+        The gradient exists whole only inside DeepSpeed's step (see :mod:`lightning_hpz.partitioning.step_clipping`),
+        so the returned tensor holds NaN until the step has run and the norm before clipping after it. Read it after
+        ``optimizer.step()``. A non-finite norm is left to DeepSpeed: fp16 skips that step, bf16 and fp32 apply it.
+        """
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"norm_type={norm_type} cannot be clipped by DeepSpeed, which computes the 2-norm over its gradient "
+                "shards only: leave norm_type at 2."
+            )
+        if max_norm <= 0:
+            raise ValueError(f"max_norm={max_norm} must be positive.")
+        self._built_deferred_engine()
+        partitioning.clipping_optimizer(self._deepspeed_engine)  # refuses clearly now, not at the step
+        norm = torch.full((), float("nan"), device=self.root_device)
+        self._pending_clip = (float(max_norm), norm)
+        return norm
+
+    @override
+    def clip_gradients_value(self, module: Any, optimizer: Any, clip_val: Union[float, int]) -> None:
+        raise NotImplementedError(
+            "DeepSpeed clips gradients by their global norm only, inside its step: use "
+            "`fabric.clip_gradients(model, optimizer, max_norm=...)` instead of `clip_val`."
+        )
 
     def _stepped_through_engine(self, optimizer: Any, kwargs: dict[str, Any]) -> Any:
         """The engine, when Fabric hands over the engine's own optimizer (it does: Fabric's ``_FabricOptimizer`` steps
@@ -94,26 +233,73 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
         Stepping the ZeRO optimizer directly skips what ``DeepSpeedEngine.step()`` does around it: the scheduler of
         the DeepSpeed config, the global step and sample counters (checkpoints record them), the accumulation
-        boundary and what happens there, the monitor. A closure (``step(closure)``) keeps Fabric's own path: the
-        engine's ``step()`` takes none.
+        boundary and what happens there, the monitor.
         """
         engine = self._deepspeed_engine
-        if engine is None or "closure" in kwargs or optimizer is not getattr(engine, "optimizer", None):
+        if engine is None or not self._is_engine_optimizer(optimizer):
             return optimizer
+        if "closure" in kwargs:
+            # the engine's step takes none, the ZeRO optimizer's ignores it, and the loop's own optimizer would step
+            # the shards past DeepSpeed's reduction
+            raise ValueError(
+                "`optimizer.step(closure)` cannot run under DeepSpeed, whose step re-evaluates nothing: compute the "
+                "loss and call `fabric.backward(loss)` before `optimizer.step()`."
+            )
         return engine
+
+    def _is_engine_optimizer(self, optimizer: Any) -> bool:
+        """``optimizer`` is the engine's ZeRO optimizer or the loop's optimizer inside it (see ``setup_optimizer``)."""
+        zero_optimizer = getattr(self._deepspeed_engine, "optimizer", None)
+        if zero_optimizer is None:
+            return False
+        return optimizer is zero_optimizer or optimizer is getattr(zero_optimizer, "optimizer", None)
+
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        self._built_deferred_engine()
+        # the loop's optimizer stands for the ZeRO optimizer, whose state the engine saves itself (sharded); Lightning
+        # leaves only the ZeRO optimizer out of the client state
+        engine_optimizer = getattr(self._deepspeed_engine, "optimizer", None)
+        state = {key: engine_optimizer if self._is_engine_optimizer(value) else value for key, value in state.items()}
+        super().save_checkpoint(path, state, *args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        self._close_open_writes()
+        super().teardown()
+
+    @override
+    def load_module_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        # `fabric.load_raw(path, model)`: a plain state dict of the model (LitGPT's `lit_model.pth`), whose keys
+        # have no engine prefix; under ZeRO-3 the model's `load_state_dict` writes into the shards.
+        engine = module.built_engine() if isinstance(module, DeferredEngine) else module
+        getattr(engine, "module", engine).load_state_dict(state_dict, strict=strict)
 
     @override
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
+        self._built_deferred_engine()
         remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
         if self._deepspeed_engine is not None:
             self._after_weights_changed()
         return remainder
 
 
+def _no_model_waits_for_an_optimizer(deferred: Optional[DeferredEngine]) -> str:
+    start = "`fabric.setup_optimizers` with DeepSpeed builds the engine from the model set up just before it, but "
+    if deferred is None:
+        return start + "no model was set up: call `fabric.setup(model)` first."
+    return start + (
+        "that model's engine exists already: it has an optimizer, or it was used (run, saved, loaded) before one was "
+        "set up, which builds it for inference. Set up the model and its optimizer together, "
+        "`fabric.setup(model, optimizer)`, or call `setup_optimizers` before using the model."
+    )
+
+
 def register() -> None:
     HpzFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    separate_optimizer_setup.install()
 
 
 # Importing the strategy registers its names with Fabric; lightning_hpz.strategy.registration imports it with Lightning.

@@ -19,8 +19,9 @@ from typing_extensions import override
 
 from lightning_hpz import partitioning
 from lightning_hpz.autotune import resume_path
-from lightning_hpz.checkpointing import commit, compatibility, resume
-from lightning_hpz.checkpointing.errors import CheckpointRefusedError
+from lightning_hpz.checkpointing import commit, compatibility, resume, writer_lock
+from lightning_hpz.checkpointing.errors import CheckpointRefusedError, CheckpointStorageError
+from lightning_hpz.checkpointing.preemption_retention import DEFAULT_KEEP, retire_older_preemption_checkpoints
 from lightning_hpz.exact_resume import data_order, epoch_end_checkpoint, random_layers
 from lightning_hpz.exact_resume.resumable_loader import ResumableLoader
 from lightning_hpz.lifecycle import rank_failure
@@ -46,7 +47,9 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
             :class:`~lightning_hpz.callbacks.PreemptionCheckpoint` unless the Trainer has one). Default True.
         exact_resume: make a resume from a mid-epoch checkpoint continue with the very batches the interrupted run
             would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader), and refuse a resume
-            whose data order cannot repeat (``DataOrderError``; False: a warning). Default True.
+            whose data order cannot repeat (``DataOrderError``) or that changes the number of ranks. False: both are
+            warned about, and a resume on another number of ranks continues at the same global sample position.
+            Default True.
         failure_grace_period: when the Trainer raises on a rank, that rank aborts its process groups and every rank
             runs its own ``except`` code; ranks of the launching node that neither reached their own error handling
             nor exited this many seconds later are taken as blocked in a collective and killed. Default 30.
@@ -129,10 +132,10 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
             # `on_advance_start`): a loader that draws its order at once (workers, a skip) would use epoch 0's.
             data_order.set_epoch_before_iteration(dataloader, trainer.fit_loop.epoch_progress.current.processed)
             self._check_resumed_data_order(dataloader)
-        if not self.exact_resume or not hasattr(dataloader, "__len__"):
-            return dataloader
+        # wrapped under either setting: a checkpoint holds the wrapper's state, which Lightning refuses to load into a
+        # loader without one (so exact_resume could not be switched off for a resume on another number of ranks)
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        return ResumableLoader(dataloader, batches_consumed=lambda: progress.current.processed)
+        return ResumableLoader(dataloader, lambda: progress.current.processed, world_size=self.world_size)
 
     def _check_resumed_data_order(self, dataloader: Any) -> None:
         if self._resumed_data_order is not None:
@@ -142,7 +145,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if isinstance(exception, (CoordinatedExit, CheckpointRefusedError)):
+        if isinstance(exception, (CoordinatedExit, CheckpointRefusedError, CheckpointStorageError)):
             return  # every rank raises this itself, after the same collectives: nobody is blocked, each one reports
         # Peers would wait for this rank in their next collective until the timeout: release them (rank_failure.py).
         # The children of Lightning's subprocess launcher (its `procs`) still stuck after the grace period are killed.
@@ -157,6 +160,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         try:
             super().teardown()
         finally:
+            writer_lock.release_all()  # the checkpoint folders this run claimed are free for the next job
             watch, self._peer_watch = self._peer_watch, None
             if watch is not None:
                 watch.join()
@@ -197,6 +201,14 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         run = compatibility.describe_run(self, checkpoint.get("global_step"), checkpoint.get("epoch"))
         with commit.committed_save(Path(filepath), run) as staging:  # visible at `filepath` once complete
             super().save_checkpoint(checkpoint, staging, storage_options)
+        if self.global_rank == 0 and run["global_step"] is not None:
+            self._retire_older_preemption_checkpoints(run["global_step"])
+
+    def _retire_older_preemption_checkpoints(self, committed_step: int) -> None:
+        trainer = self.lightning_module.trainer
+        keep = next((c.keep for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), DEFAULT_KEEP)
+        for line in retire_older_preemption_checkpoints(Path(trainer.default_root_dir), committed_step, keep):
+            log.info("Preemption checkpoint retired: %s", line)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

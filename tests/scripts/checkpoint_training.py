@@ -23,6 +23,17 @@ from toy_training import RegressionData, ToyRegressor
 import lightning_hpz
 
 
+class TwoGroupRegressor(ToyRegressor):
+    """Decay on the weight matrices only, as LLM recipes do: two parameter groups that a resize must keep apart."""
+
+    def configure_optimizers(self):
+        named = list(self.named_parameters())
+        decay = [p for name, p in named if p.ndim > 1]
+        no_decay = [p for name, p in named if p.ndim <= 1]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=3e-3)
+
+
 class ResumeRecorder(L.Callback):
     """Records the step and the full weights a fit starts from, and arms the mid-save kill."""
 
@@ -34,6 +45,8 @@ class ResumeRecorder(L.Callback):
         import deepspeed
 
         self.record["start_step"] = trainer.global_step
+        groups = trainer.strategy.model.optimizer.param_groups
+        self.record["weight_decay"] = [group["weight_decay"] for group in groups]
         params = dict(pl_module.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values()), enabled=self.job.get("stage", 3) == 3):
             weights = {name: p.detach().clone().float() for name, p in params.items()}
@@ -63,7 +76,9 @@ def fit(job: dict, options: dict, index: int) -> dict:
     L.seed_everything(0, verbose=False)
     out = Path(options["out"])
     recorder = ResumeRecorder(job, out, index)
-    strategy = lightning_hpz.HpzStrategy(stage=job.get("stage", 3), hpz_partition_size=job.get("hpz", 1))
+    strategy = lightning_hpz.HpzStrategy(
+        stage=job.get("stage", 3), hpz_partition_size=job.get("hpz", 1), exact_resume=job.get("exact_resume", True)
+    )
     checkpoints = ModelCheckpoint(
         dirpath=job.get("ckpt_dir", options.get("ckpt_dir")),
         every_n_train_steps=2,
@@ -75,7 +90,7 @@ def fit(job: dict, options: dict, index: int) -> dict:
         strategy=strategy, accelerator="cpu", devices=options["devices"], max_steps=job["max_steps"], logger=False,
         callbacks=[checkpoints, recorder], enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    model = ToyRegressor()
+    model = TwoGroupRegressor()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
