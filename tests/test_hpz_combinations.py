@@ -1,6 +1,7 @@
 """hpZ 2 bit-identical to hpZ 1 over 12 steps on 4 CPU ranks, combined with what changes a gather or a backward:
 frozen (LoRA-style) parameters, tied weights, activation checkpointing (reentrant and not), bf16 and gradient
-accumulation (issue 30). Two launches, one per hpZ size, each training every case."""
+accumulation, and an optimizer offloaded to the CPU (DeepSpeed issue #6926 reported a flat loss with hpZ and
+``offload_optimizer``) (issue 30). Two launches, one per hpZ size, each training every case."""
 
 import math
 
@@ -16,6 +17,7 @@ CASES = {
     "checkpointing_non_reentrant": {"checkpointing": "non_reentrant"},
     "bf16": {"precision": "bf16-mixed"},
     "accumulation": {"accumulate": 2},
+    "offload_optimizer": {"offload": True},
 }
 
 
@@ -40,5 +42,17 @@ def test_hpz2_is_bit_identical_to_hpz1(runs, case):
         assert len(reference) == batches and all(math.isfinite(x) for x in reference), reference
         assert runs[2][rank][case]["losses"] == reference, f"rank {rank}"
     assert runs[2][0][case]["most_secondaries"] > 0 and runs[1][0][case]["most_secondaries"] == 0
-    first, last = runs[1][0][case]["losses"][:3], runs[1][0][case]["losses"][-3:]
-    assert sum(last) < sum(first), runs[1][0][case]["losses"]  # the case trained: compared on moving weights
+    assert_loss_fell(runs[1][0][case]["losses"])  # the case trained: compared on moving weights
+
+
+def assert_loss_fell(losses: list[float]) -> None:
+    """The last three losses well below the first three: with weights that never change (DeepSpeed #6926's flat
+    loss), batch-to-batch noise alone brought them to 0.98 of the first three here."""
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+
+
+def test_the_offloaded_case_steps_on_the_cpu(runs):
+    for size in (1, 2):
+        record = runs[size][0]["offload_optimizer"]
+        assert record["offloaded"] and record["optimizer"] == "DeepSpeedCPUAdam", record
+        assert not runs[size][0]["bf16"]["offloaded"]  # the launch's other cases keep the optimizer where it was

@@ -3,13 +3,14 @@
 Run as ``python hpz_combinations.py '<json options>'``: ``options["cases"]`` maps a case name to its settings, trained
 one after the other in the same processes under one hpZ size (DeepSpeed's secondary process group is global). A case
 trains a small language model for ``steps`` optimizer steps under ZeRO-3; its settings switch on frozen LoRA-style
-base weights, an output layer tied to the embedding, activation checkpointing (reentrant or not), bf16 and gradient
-accumulation. Each rank writes ``rank<r>.json`` into ``out``: per case, the loss of every training batch and the
-most secondary partitions seen after a forward.
+base weights, an output layer tied to the embedding, activation checkpointing (reentrant or not), bf16, gradient
+accumulation and an optimizer offloaded to the CPU. ``options["devices"]`` and ``options["num_nodes"]`` (4 and 1 unless
+given) set the layout: several nodes are launched once per node with ``NODE_RANK``, as Lightning expects. Each rank
+writes ``rank<r>.json`` into ``out``: per case, the loss of every training batch, the most secondary partitions seen
+after a forward, and which optimizer stepped where.
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -21,8 +22,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_hpz
 from lightning_hpz.partitioning import count_secondary_partitions
+from lightning_hpz.strategy.config import merge_configs
 
 VOCABULARY, WIDTH, RANK, LENGTH = 64, 32, 4, 16
+OFFLOAD_OPTIMIZER = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
 
 
 def token_data(samples: int = 256) -> TensorDataset:
@@ -58,9 +61,9 @@ class Block(nn.Module):
 class CombinationModel(L.LightningModule):
     """Embedding, two residual blocks, output layer; each feature is one setting."""
 
-    def __init__(self, frozen=False, tied=False, checkpointing=None) -> None:
+    def __init__(self, frozen=False, tied=False, checkpointing=None, offload=False) -> None:
         super().__init__()
-        self.frozen, self.tied, self.checkpointing = frozen, tied, checkpointing
+        self.frozen, self.tied, self.checkpointing, self.offload = frozen, tied, checkpointing, offload
         self.layers = None
         self.losses: list[float] = []
         self.most_secondaries = 0  # hpZ's secondary copies alive after a forward: hpZ > 1 really used them
@@ -95,17 +98,33 @@ class CombinationModel(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+        trained = [p for p in self.parameters() if p.requires_grad]
+        if self.offload:  # DeepSpeed refuses a torch optimizer for an offloaded optimizer; the same AdamW, on the CPU
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(trained, lr=1e-2, weight_decay=1e-2, adamw_mode=True)
+        return torch.optim.AdamW(trained, lr=1e-2)
 
 
-def run_case(case: dict, options: dict) -> dict:
+def case_strategy(case: dict, options: dict) -> lightning_hpz.HpzStrategy:
+    """The launch's strategy settings; an offloaded case adds ``offload_optimizer`` to their DeepSpeed config."""
+    settings = dict(options["strategy"])
+    if case.get("offload"):
+        settings["config"] = merge_configs(settings.get("config") or {}, OFFLOAD_OPTIMIZER)
+    return lightning_hpz.HpzStrategy(**settings)
+
+
+def run_case(case: dict, options: dict) -> tuple[int, dict]:
+    """Train one case; returns this process's global rank (Lightning's launcher sets no RANK) and its record."""
     L.seed_everything(0, verbose=False)
-    strategy = lightning_hpz.HpzStrategy(**options["strategy"])
-    model = CombinationModel(case.get("frozen", False), case.get("tied", False), case.get("checkpointing"))
+    model = CombinationModel(
+        case.get("frozen", False), case.get("tied", False), case.get("checkpointing"), case.get("offload", False)
+    )
     trainer = L.Trainer(
-        strategy=strategy,
+        strategy=case_strategy(case, options),
         accelerator="cpu",
-        devices=4,
+        devices=options.get("devices", 4),
+        num_nodes=options.get("num_nodes", 1),
         max_steps=options["steps"],
         precision=case.get("precision", "32-true"),
         accumulate_grad_batches=case.get("accumulate", 1),
@@ -115,14 +134,23 @@ def run_case(case: dict, options: dict) -> dict:
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(token_data(), batch_size=4, shuffle=True))
-    return {"losses": model.losses, "most_secondaries": model.most_secondaries}
+    engine = trainer.strategy.model
+    record = {
+        "losses": model.losses,
+        "most_secondaries": model.most_secondaries,
+        "optimizer": type(engine.basic_optimizer).__name__,  # what stepped: DeepSpeedCPUAdam when offloaded
+        "offloaded": bool(engine.zero_offload_optimizer()),
+    }
+    return trainer.global_rank, record
 
 
 def main(options: dict) -> None:
     out = Path(options["out"])
     out.mkdir(parents=True, exist_ok=True)
-    record = {name: run_case(case, options) for name, case in options["cases"].items()}
-    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps({"cases": record}))
+    record, rank = {}, 0
+    for name, case in options["cases"].items():
+        rank, record[name] = run_case(case, options)
+    (out / f"rank{rank}.json").write_text(json.dumps({"cases": record}))
 
 
 if __name__ == "__main__":
