@@ -94,6 +94,12 @@ def assert_succeeded(run: ScriptRun, ranks: int = 4) -> None:
     assert sorted(run.ranks) == list(range(ranks)), run.output[-4000:]
 
 
+def assert_loss_fell(losses: list[float]) -> None:
+    """The last three losses well below the first three: with weights that never change (DeepSpeed #6926's flat
+    loss), batch-to-batch noise alone brought them to 0.98 of the first three in test_hpz_combinations.py."""
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+
+
 @pytest.fixture(scope="module")
 def module_tmp(tmp_path_factory, request) -> Path:
     return tmp_path_factory.mktemp(request.module.__name__.split(".")[-1])

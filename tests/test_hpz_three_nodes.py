@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REGATHER_EVERY_MODULE, SCRIPTS
-from test_hpz_combinations import assert_loss_fell
+from conftest import REGATHER_EVERY_MODULE, SCRIPTS, assert_loss_fell
 from warm_launcher import free_port
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
