@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any, Optional
@@ -28,6 +29,7 @@ from lightning_hpz.lifecycle import rank_failure
 from lightning_hpz.lifecycle.op_build_launcher import OpsBuiltFirstLauncher
 from lightning_hpz.lifecycle.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz.lifecycle.run_exit import CoordinatedExit
+from lightning_hpz.lifecycle.save_deadline import SaveDeadline
 from lightning_hpz.strategy.hpz_setup import HpzSetup
 from lightning_hpz.strategy.inference_config import inference_config
 
@@ -68,6 +70,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     ) -> None:
         super().__init__(**kwargs)
         self.exact_resume = exact_resume
+        self._save_deadline = SaveDeadline()
         self.failure_grace_period = failure_grace_period
         self._resumed_data_order: Optional[dict[str, Any]] = None  # set by a checkpoint load, checked on the data
         self.handle_preemption = handle_preemption
@@ -199,8 +202,11 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
         filepath = self.broadcast(filepath)
         run = compatibility.describe_run(self, checkpoint.get("global_step"), checkpoint.get("epoch"))
+        started = time.monotonic()
         with commit.committed_save(Path(filepath), run) as staging:  # visible at `filepath` once complete
             super().save_checkpoint(checkpoint, staging, storage_options)
+        if self.handle_preemption:
+            self._save_deadline.observe(time.monotonic() - started)
         if self.global_rank == 0 and run["global_step"] is not None:
             self._retire_older_preemption_checkpoints(run["global_step"])
 
