@@ -22,7 +22,11 @@ from lightning_hpz import partitioning
 from lightning_hpz.autotune import resume_path
 from lightning_hpz.checkpointing import commit, compatibility, resume, writer_lock
 from lightning_hpz.checkpointing.errors import CheckpointRefusedError, CheckpointStorageError
-from lightning_hpz.checkpointing.preemption_retention import DEFAULT_KEEP, retire_older_preemption_checkpoints
+from lightning_hpz.checkpointing.preemption_retention import (
+    DEFAULT_KEEP,
+    is_preemption_checkpoint,
+    retire_older_preemption_checkpoints,
+)
 from lightning_hpz.exact_resume import data_order, epoch_end_checkpoint, random_layers
 from lightning_hpz.exact_resume.resumable_loader import ResumableLoader
 from lightning_hpz.lifecycle import rank_failure
@@ -207,14 +211,19 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
             super().save_checkpoint(checkpoint, staging, storage_options)
         if self.handle_preemption:
             self._save_deadline.observe(time.monotonic() - started)
-        if self.global_rank == 0 and run["global_step"] is not None:
+        if self.global_rank == 0 and run["global_step"] is not None and is_preemption_checkpoint(Path(filepath)):
             self._retire_older_preemption_checkpoints(run["global_step"])
 
     def _retire_older_preemption_checkpoints(self, committed_step: int) -> None:
+        # Only a newer preemption checkpoint retires older ones: Lightning's SLURM auto-resume (`ckpt_path=None`)
+        # looks at these names alone, and must always find the newest.
         trainer = self.lightning_module.trainer
         keep = next((c.keep for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), DEFAULT_KEEP)
-        for line in retire_older_preemption_checkpoints(Path(trainer.default_root_dir), committed_step, keep):
-            log.info("Preemption checkpoint retired: %s", line)
+        try:
+            for line in retire_older_preemption_checkpoints(Path(trainer.default_root_dir), committed_step, keep):
+                log.info("Preemption checkpoint retired: %s", line)
+        except OSError as error:  # housekeeping: never worth failing a run (or hanging the other ranks) over
+            log.warning("Could not retire older preemption checkpoints in %s: %s", trainer.default_root_dir, error)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
