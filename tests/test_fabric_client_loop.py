@@ -44,7 +44,9 @@ def ddp(module_tmp):
 @pytest.mark.parametrize("name", sorted(ZERO_RUNS))
 def test_accumulating_clipping_loop_trains_as_ddp(module_tmp, ddp, name):
     options, ranks = ZERO_RUNS[name]
-    run = _launch(module_tmp, name, {**options, "micro_batches": 2, "probe_refusals": name == "zero3_hpz2"}, ranks)
+    probe = name == "zero3_hpz2"  # also sets up a reference model between the model and its optimizer
+    options = {**options, "micro_batches": 2, "probe_refusals": probe, "reference_model": probe}
+    run = _launch(module_tmp, name, options, ranks)
     assert_succeeded(run, ranks=ranks)
     for rank, record in run.ranks.items():
         assert record["norms"] == pytest.approx(ddp["norms"], rel=TOLERANCE), rank

@@ -1,4 +1,5 @@
-"""Preemption checkpoints older than a newer commit stop shadowing it at auto-resume, and do not pile up."""
+"""Preemption checkpoints older than a newer preemption checkpoint are retired (renamed out of auto-resume's sight,
+which then finds the newest) and pruned."""
 
 import torch
 
@@ -18,11 +19,11 @@ def test_older_preemption_checkpoints_are_retired_and_pruned(tmp_path):
     _commit(tmp_path / "hpc_ckpt_1.ckpt", 10)
     _commit(tmp_path / "hpc_ckpt_2.ckpt", 20)
     (tmp_path / "hpc_ckpt_3.ckpt").mkdir()  # not ours (no manifest): left alone
-    _commit(tmp_path / "last.ckpt", 30)
+    _commit(tmp_path / "hpc_ckpt_4.ckpt", 30)
     done = retire_older_preemption_checkpoints(tmp_path, committed_step=30, keep=1)
     names = sorted(path.name for path in tmp_path.iterdir() if path.name != ".hpz-writer.json")
-    # Lightning's auto-resume takes the largest hpc_ckpt_N: only the foreign one is left to find, and "last" is newest
-    assert names == ["hpc_ckpt_3.ckpt", "last.ckpt", "preempted-step=20.ckpt"]
+    # Lightning's auto-resume takes the largest hpc_ckpt_N: the newest, committed last
+    assert names == ["hpc_ckpt_3.ckpt", "hpc_ckpt_4.ckpt", "preempted-step=20.ckpt"]
     assert done == [
         "hpc_ckpt_1.ckpt (step 10) -> preempted-step=10.ckpt",
         "hpc_ckpt_2.ckpt (step 20) -> preempted-step=20.ckpt",

@@ -62,7 +62,11 @@ def committed_save(final: Path, run: dict[str, Any]) -> Iterator[Path]:
     # every rank checksums an equal share of the bytes, read back from the storage
     durability.persist_files(staging, manifest.files_written_by(staging, collectives.rank(), collectives.world_size()))
     collectives.barrier()
-    sizes = {name: (staging / name).stat().st_size for name in manifest.checkpoint_files(staging)}
+    # listed once, by rank 0: a network file system may show another rank a stale listing, and the shares must agree
+    sizes = None
+    if collectives.rank() == 0:
+        sizes = {name: (staging / name).stat().st_size for name in manifest.checkpoint_files(staging)}
+    sizes = collectives.broadcast_object(sizes) if collectives.is_distributed() else sizes
     share = manifest.balanced_share(sizes, collectives.rank(), collectives.world_size())
     every_rank = collectives.all_gather_object(manifest.digests(staging, share))
     if collectives.rank() == 0:

@@ -1,10 +1,9 @@
-"""Preemption checkpoints must not shadow newer ones at auto-resume, nor pile up.
+"""Preemption checkpoints must not pile up (a 70B checkpoint is about a terabyte).
 
-Lightning's SLURM auto-resume (and ``ckpt_path="hpc"``) takes ``hpc_ckpt_<N>`` with the largest N whenever one exists
-in ``default_root_dir``, even when a ``last.ckpt`` written after it is newer: a requeued job would silently go back to
-the older step. So after every commit, the preemption checkpoints older (by global step) than the one just committed
-are retired: renamed ``preempted-step=<S>.ckpt``, which auto-resume does not look at, and of those only the newest
-``keep`` are kept (a 70B checkpoint is about a terabyte).
+Lightning's SLURM auto-resume (and ``ckpt_path="hpc"``) takes ``hpc_ckpt_<N>`` with the largest N. After a preemption
+checkpoint is committed, the older ones (by global step) are retired: renamed ``preempted-step=<S>.ckpt``, which
+auto-resume does not look at, and of those only the newest ``keep`` are kept. Only a preemption checkpoint retires
+others: auto-resume looks at these names alone, so the newest of them must stay.
 """
 
 from __future__ import annotations
@@ -19,6 +18,10 @@ from lightning_hpz.checkpointing import manifest
 _PREEMPTION = re.compile(r"^hpc_ckpt_(\d+)\.ckpt$")
 _RETIRED = re.compile(r"^preempted-step=(\d+)\.ckpt$")
 DEFAULT_KEEP = 1
+
+
+def is_preemption_checkpoint(path: Path) -> bool:
+    return bool(_PREEMPTION.match(Path(path).name))
 
 
 def _step(path: Path) -> Optional[int]:

@@ -26,7 +26,9 @@ _claimed: dict[str, Path] = {}  # folder -> the lock this process holds there
 
 def this_job() -> dict[str, Any]:
     """Who is writing: the scheduler's job id when there is one, and this process."""
-    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    # multi-node torchrun without --rdzv-id names every job "none": no identity to go by
+    job = os.environ.get("SLURM_JOB_ID") or (run_id if run_id not in (None, "", "none") else None)
     if os.environ.get("SLURM_ARRAY_JOB_ID"):
         job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
     return {"job": job, "host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -94,6 +96,8 @@ def claim_for_this_job(folder: Path) -> None:
             lock = claim(Path(folder))
         except CheckpointStorageError as error:
             refusal = str(error)
+        except OSError as error:  # raised here alone, the other ranks would wait in the broadcast
+            refusal = f"Cannot claim checkpoint folder {folder} for this job: {error}."
     refusal = collectives.broadcast_object(refusal) if collectives.is_distributed() else refusal
     if refusal is not None:
         raise CheckpointStorageError(refusal)

@@ -55,6 +55,11 @@ def complete_epoch_saved_at_epoch_end(checkpoint: dict[str, Any]) -> bool:
         _zero(progress["current"])
     if "epoch_loop.val_loop.batch_progress" in fit_loop:
         _zero(fit_loop["epoch_loop.val_loop.batch_progress"]["total"])
+    # the training loaders' positions too (ResumableLoader): the next epoch starts every loader at its beginning,
+    # also a shorter one that Lightning had cycled part-way through its round
+    for state in (fit_loop.get("state_dict") or {}).get("combined_loader") or []:
+        if isinstance(state, dict) and "batches_consumed" in state:
+            state["batches_consumed"] = 0
     return True
 
 

@@ -53,7 +53,8 @@ def _loader_from_batch(loader: DataLoader, start: int) -> DataLoader:
 
 
 def _jumps_by_index(loader: Any) -> bool:
-    return isinstance(loader, DataLoader) and loader.batch_sampler is not None and has_len(loader.batch_sampler)
+    # a DataLoader subclass may iterate its own way: it is skipped by reading, as before
+    return type(loader) is DataLoader and loader.batch_sampler is not None and has_len(loader.batch_sampler)
 
 
 class ResumableLoader:

@@ -32,8 +32,8 @@ class PreemptionCheckpoint(Callback):
 
     ``HpzStrategy`` adds this callback unless told not to (``handle_preemption=False``); it works with any strategy.
 
-    A later commit retires the preemption checkpoints older than itself (``preempted-step=<S>.ckpt``, which
-    auto-resume ignores: it would prefer any ``hpc_ckpt_*`` to a newer ``last.ckpt``) and keeps the newest ``keep``.
+    A new preemption checkpoint retires the older ones (renamed ``preempted-step=<S>.ckpt``, which auto-resume
+    ignores) and keeps the newest ``keep`` of those.
 
     Args:
         signals: the signal names that mean "preempted". Default SIGTERM and SIGUSR1.

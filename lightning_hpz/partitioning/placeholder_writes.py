@@ -96,8 +96,14 @@ class OpenWrites:
     """:func:`writes_reach_shards` held open from one call to another (``fabric.init_module()`` until set-up)."""
 
     def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        params = list(params)
+        self._ids = {id(param) for param in params}
         self._context = writes_reach_shards(params)
         self._context.__enter__()
+
+    def covers(self, module: nn.Module) -> bool:
+        """Whether ``module`` has a parameter this window holds open."""
+        return any(id(param) in self._ids for param in module.parameters())
 
     def close(self) -> None:
         if self._context is not None:

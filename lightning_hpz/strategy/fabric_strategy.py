@@ -46,8 +46,9 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     # `_initialize_engine`, `_format_config`/`_config_initialized` and `_deepspeed_engine` are overridden or read.
     _lightning_deepspeed_strategy = DeepSpeedStrategy
 
-    _deferred: Optional[DeferredEngine] = None  # from setup_module, until the engine is built
-    _open_writes: Any = None  # partitioning.OpenWrites from the end of `fabric.init_module()` until set-up
+    _deferred: Optional[DeferredEngine] = None  # the latest from setup_module
+    _waiting: tuple[DeferredEngine, ...] = ()  # set up alone, engine not built yet: one may get an optimizer
+    _open_writes: tuple[Any, ...] = ()  # partitioning.OpenWrites, one per `fabric.init_module()`, until set-up
     _pending_clip: Optional[tuple[float, torch.Tensor]] = None  # (max_norm, the norm to fill) at the next step
 
     # Lightning's __init__ sets None ("DeepSpeed handles gradient accumulation internally"); here the loop owns it.
@@ -117,25 +118,28 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         # between `fabric.init_module()` and `fabric.setup`; under ZeRO-3 those writes must reach the shards.
         with partitioning.registered_parameters() as built, init_context:
             yield
-        self._close_open_writes()
-        self._open_writes = partitioning.OpenWrites(built)
+        # kept open for every model built so far (a student, then a teacher, re-initialised after both were built)
+        self._open_writes = (*self._open_writes, partitioning.OpenWrites(built))
 
-    def _close_open_writes(self) -> None:
-        if self._open_writes is not None:
-            self._open_writes.close()
-            self._open_writes = None
+    def _close_open_writes(self, module: Optional[torch.nn.Module] = None) -> None:
+        """Close the windows of ``module``'s parameters (set up now), or all of them (``None``: teardown)."""
+        closing = [window for window in self._open_writes if module is None or window.covers(module)]
+        self._open_writes = tuple(window for window in self._open_writes if window not in closing)
+        for window in reversed(closing):
+            window.close()
 
     @override
     def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: Any, scheduler: Any = None) -> Any:
-        self._close_open_writes()
+        self._close_open_writes(module)
         return super().setup_module_and_optimizers(module, optimizers, scheduler)
 
     @override
     def setup_module(self, module: torch.nn.Module) -> DeferredEngine:
         # The engine needs the optimizer, which an FSDP-style loop creates from the set-up model and hands to
         # `setup_optimizers` next; without one, the first use builds an inference engine, as Lightning does here.
-        self._close_open_writes()
+        self._close_open_writes(module)
         self._deferred = DeferredEngine(module, self._build_inference_engine)
+        self._waiting = (*self._waiting, self._deferred)
         return self._deferred
 
     def _build_inference_engine(self, module: torch.nn.Module) -> Any:
@@ -144,9 +148,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
     @override
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
-        deferred = self._deferred
-        if deferred is None or deferred.built:
-            raise RuntimeError(_no_model_waits_for_an_optimizer(deferred))
+        deferred = self._model_of(optimizer)
         engine, zero_optimizer, _ = self._initialize_engine(deferred.module, optimizer)
         self._deepspeed_engine = engine
         self._set_deepspeed_activation_checkpointing()
@@ -156,6 +158,17 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         # (LitGPT reads `optimizer.defaults["lr"]`). `optimizer.step()` still steps the engine (`optimizer_step`).
         inner = getattr(zero_optimizer, "optimizer", None)
         return inner if isinstance(inner, torch.optim.Optimizer) else zero_optimizer
+
+    def _model_of(self, optimizer: torch.optim.Optimizer) -> DeferredEngine:
+        """The model set up alone, engine not built yet, whose parameters ``optimizer`` holds (several may wait:
+        a policy and its reference model)."""
+        self._waiting = tuple(waiting for waiting in self._waiting if not waiting.built)
+        held = {id(param) for group in optimizer.param_groups for param in group["params"]}
+        owners = [w for w in self._waiting if any(id(param) in held for param in w.module.parameters())]
+        if len(owners) != 1:
+            raise RuntimeError(_no_model_waits_for_an_optimizer(self._deferred, owners=len(owners)))
+        self._waiting = tuple(waiting for waiting in self._waiting if waiting is not owners[0])
+        return owners[0]
 
     def _built_deferred_engine(self) -> None:
         if self._deferred is not None and self._deepspeed_engine is None:
@@ -286,14 +299,16 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         return remainder
 
 
-def _no_model_waits_for_an_optimizer(deferred: Optional[DeferredEngine]) -> str:
-    start = "`fabric.setup_optimizers` with DeepSpeed builds the engine from the model set up just before it, but "
+def _no_model_waits_for_an_optimizer(deferred: Optional[DeferredEngine], owners: int) -> str:
+    start = "`fabric.setup_optimizers` with DeepSpeed builds the engine of the model whose parameters it holds, but "
     if deferred is None:
         return start + "no model was set up: call `fabric.setup(model)` first."
+    if owners > 1:
+        return start + "its parameters belong to several models set up alone. DeepSpeed trains one model per engine."
     return start + (
-        "that model's engine exists already: it has an optimizer, or it was used (run, saved, loaded) before one was "
-        "set up, which builds it for inference. Set up the model and its optimizer together, "
-        "`fabric.setup(model, optimizer)`, or call `setup_optimizers` before using the model."
+        "no model set up alone and still without an engine holds them: that model has an optimizer already, or was "
+        "used (run, saved, loaded) before one was set up, which builds it for inference. Set up the model and its "
+        "optimizer together, `fabric.setup(model, optimizer)`, or call `setup_optimizers` before using the model."
     )
 
 

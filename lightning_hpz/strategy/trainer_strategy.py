@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any, Optional
@@ -21,13 +22,18 @@ from lightning_hpz import partitioning
 from lightning_hpz.autotune import resume_path
 from lightning_hpz.checkpointing import commit, compatibility, resume, writer_lock
 from lightning_hpz.checkpointing.errors import CheckpointRefusedError, CheckpointStorageError
-from lightning_hpz.checkpointing.preemption_retention import DEFAULT_KEEP, retire_older_preemption_checkpoints
+from lightning_hpz.checkpointing.preemption_retention import (
+    DEFAULT_KEEP,
+    is_preemption_checkpoint,
+    retire_older_preemption_checkpoints,
+)
 from lightning_hpz.exact_resume import data_order, epoch_end_checkpoint, random_layers
 from lightning_hpz.exact_resume.resumable_loader import ResumableLoader
 from lightning_hpz.lifecycle import rank_failure
 from lightning_hpz.lifecycle.op_build_launcher import OpsBuiltFirstLauncher
 from lightning_hpz.lifecycle.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz.lifecycle.run_exit import CoordinatedExit
+from lightning_hpz.lifecycle.save_deadline import SaveDeadline
 from lightning_hpz.strategy.hpz_setup import HpzSetup
 from lightning_hpz.strategy.inference_config import inference_config
 
@@ -68,6 +74,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     ) -> None:
         super().__init__(**kwargs)
         self.exact_resume = exact_resume
+        self._save_deadline = SaveDeadline()
         self.failure_grace_period = failure_grace_period
         self._resumed_data_order: Optional[dict[str, Any]] = None  # set by a checkpoint load, checked on the data
         self.handle_preemption = handle_preemption
@@ -199,16 +206,24 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
         filepath = self.broadcast(filepath)
         run = compatibility.describe_run(self, checkpoint.get("global_step"), checkpoint.get("epoch"))
+        started = time.monotonic()
         with commit.committed_save(Path(filepath), run) as staging:  # visible at `filepath` once complete
             super().save_checkpoint(checkpoint, staging, storage_options)
-        if self.global_rank == 0 and run["global_step"] is not None:
+        if self.handle_preemption:
+            self._save_deadline.observe(time.monotonic() - started)
+        if self.global_rank == 0 and run["global_step"] is not None and is_preemption_checkpoint(Path(filepath)):
             self._retire_older_preemption_checkpoints(run["global_step"])
 
     def _retire_older_preemption_checkpoints(self, committed_step: int) -> None:
+        # Only a newer preemption checkpoint retires older ones: Lightning's SLURM auto-resume (`ckpt_path=None`)
+        # looks at these names alone, and must always find the newest.
         trainer = self.lightning_module.trainer
         keep = next((c.keep for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), DEFAULT_KEEP)
-        for line in retire_older_preemption_checkpoints(Path(trainer.default_root_dir), committed_step, keep):
-            log.info("Preemption checkpoint retired: %s", line)
+        try:
+            for line in retire_older_preemption_checkpoints(Path(trainer.default_root_dir), committed_step, keep):
+                log.info("Preemption checkpoint retired: %s", line)
+        except OSError as error:  # housekeeping: never worth failing a run (or hanging the other ranks) over
+            log.warning("Could not retire older preemption checkpoints in %s: %s", trainer.default_root_dir, error)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -3,10 +3,12 @@
 Run as ``python fabric_client_loop.py '<json options>'`` under torchrun (or the test suite's warm launcher). The loop
 is the one LitGPT and most FSDP examples use: ``fabric.setup(model)`` then ``fabric.setup_optimizers(optimizer)``
 (``separate``), micro-batches under ``fabric.no_backward_sync`` with the loss divided by their count,
-``fabric.clip_gradients(max_norm=...)``, ``optimizer.step()``. Every step trains on the same global batch whatever the
-world size (each rank takes its slice, split into ``micro_batches``), so every configuration computes the gradient of
-the same global mean loss. Each rank writes ``rank<r>.json``: the global loss and the returned norm of each step, the
-engine's step count, and the messages of the calls that must be refused (``probe_refusals``).
+``fabric.clip_gradients(max_norm=...)``, ``optimizer.step()``. With ``reference_model`` a second model is set up
+alone between the model and its optimizer (a policy and its reference, as in DPO). Every step trains on the same
+global batch whatever the world size (each rank takes its slice, split into ``micro_batches``), so every
+configuration computes the gradient of the same global mean loss. Each rank writes ``rank<r>.json``: the global loss
+and the returned norm of each step, the engine's step count, and the messages of the calls that must be refused
+(``probe_refusals``).
 """
 
 import json
@@ -73,6 +75,8 @@ def main(options: dict) -> None:
     )
     if options.get("separate", True):
         model = fabric.setup(model)
+        if options.get("reference_model"):  # set up alone too, after: the optimizer must find its own model
+            fabric.setup(torch.nn.Linear(FEATURES, 1))
         optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=options.get("lr", 0.05)))
     else:
         model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=options.get("lr", 0.05)))
@@ -87,7 +91,7 @@ def main(options: dict) -> None:
         for index, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
             with fabric.no_backward_sync(model, enabled=index < micro - 1):
                 loss = (model(xs) - ys).pow(2).mean() / micro
-                fabric.backward(loss)
+                fabric.backward(loss, model=model)  # Fabric asks for it once two models are set up
             total += loss.detach()
         norm = fabric.clip_gradients(model, optimizer, max_norm=options["max_norm"])
         optimizer.step()
