@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from lightning_hpz.checkpointing import durability, manifest
+from lightning_hpz import durability
+from lightning_hpz.checkpointing import manifest
 
 CHUNK = 64 << 20
 

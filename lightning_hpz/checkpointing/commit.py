@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from lightning_hpz import collectives
-from lightning_hpz.checkpointing import durability, manifest, writer_lock
+from lightning_hpz import collectives, durability
+from lightning_hpz.checkpointing import manifest, writer_lock
 from lightning_hpz.checkpointing.atomic_exchange import atomic_exchange
 from lightning_hpz.checkpointing.fault_points import fault_point
 from lightning_hpz.checkpointing.shared_folder import check_one_folder_for_all_ranks

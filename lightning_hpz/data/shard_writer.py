@@ -15,6 +15,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from lightning_hpz import durability
 from lightning_hpz.data.prepared_shards import INDEX, MANIFEST, Manifest
 
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16: few files for a large corpus, small enough to copy around
@@ -74,7 +75,7 @@ class ShardWriter:
             self._close()
         write_atomically(self.directory / INDEX, json.dumps({"shards": self.shards}, indent=1).encode())
         write_atomically(self.directory / MANIFEST, manifest.to_json().encode())
-        _fsync_directory(self.directory)
+        durability.persist_directory(self.directory)  # the renames reach the disk with the directory entry
 
     def abandon(self) -> None:
         """Close an unfinished shard without committing it (its ``.tmp`` file is left for removal)."""
@@ -98,12 +99,3 @@ class ShardWriter:
         (self.directory / (name + ".tmp")).replace(self.directory / name)
         self.shards.append({"file": name, "tokens": self._in_shard})
         self._file = None
-
-
-def _fsync_directory(directory: Path) -> None:
-    # The renames themselves reach the disk only once the directory entry is flushed.
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

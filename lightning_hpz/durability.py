@@ -1,10 +1,10 @@
-"""Make a checkpoint's bytes durable before anything relies on them, and checksum the bytes on the storage.
+"""Make written bytes durable before anything relies on them: file and directory ``fsync``.
 
 A file is on the storage only after ``fsync``; a new directory entry (a file created, a directory renamed) only after
-an ``fsync`` of the directory holding it. Without them a power loss or a file-server failure after the commit can leave
-a checkpoint that the manifest calls complete, while the previous one is already deleted. After its ``fsync`` each file
-is dropped from the page cache (``POSIX_FADV_DONTNEED``), so the checksum that follows reads what the storage holds,
-not what this process wrote into memory.
+an ``fsync`` of the directory holding it. Without them a power loss or a file-server failure can leave what a manifest
+calls complete (a prepared corpus, a committed checkpoint) half on disk. :func:`persist_file` also drops the file from
+the page cache (``POSIX_FADV_DONTNEED``), so that a checksum taken next reads what the storage holds, not what this
+process wrote into memory. Used by the checkpoint commit and by the corpus shard writer.
 """
 
 from __future__ import annotations
