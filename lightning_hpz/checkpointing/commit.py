@@ -66,7 +66,7 @@ def committed_save(final: Path, run: dict[str, Any]) -> Iterator[Path]:
     sizes = None
     if collectives.rank() == 0:
         sizes = {name: (staging / name).stat().st_size for name in manifest.checkpoint_files(staging)}
-    sizes = collectives.broadcast_object(sizes) if collectives.is_distributed() else sizes
+    sizes = collectives.broadcast_object(sizes)
     share = manifest.balanced_share(sizes, collectives.rank(), collectives.world_size())
     every_rank = collectives.all_gather_object(manifest.digests(staging, share))
     if collectives.rank() == 0:
@@ -128,14 +128,9 @@ def repair_interrupted_commit(final: Path) -> str:
         return ""
     if not replaced.exists():
         return ""
-    if _staged_copy_is_complete(staging):
+    if manifest.complete_manifest(staging):
         staging.rename(final)
         shutil.rmtree(replaced)
         return "rolled forward to the complete staged copy"
     replaced.rename(final)
     return "rolled back to the previous copy"
-
-
-def _staged_copy_is_complete(staging: Path) -> bool:
-    recorded = manifest.read_manifest(staging) if staging.is_dir() else None
-    return bool(recorded) and not manifest.verify_files(staging, recorded, list(recorded["files"]), hash_contents=False)

@@ -112,6 +112,14 @@ def verify_files(
     return [p for p in (file_problem(checkpoint_dir, n, entries[n], hash_contents) for n in names) if p]
 
 
+def complete_manifest(checkpoint_dir: Path) -> Optional[dict[str, Any]]:
+    """The manifest of ``checkpoint_dir`` if it has one and every file it lists has its recorded size, else None."""
+    recorded = read_manifest(checkpoint_dir)
+    if recorded and not verify_files(checkpoint_dir, recorded, list(recorded["files"]), hash_contents=False):
+        return recorded
+    return None
+
+
 def last_good_checkpoint(checkpoint_dir: Path) -> Optional[Path]:
     """The newest other committed checkpoint beside ``checkpoint_dir`` whose files all have their recorded sizes."""
     checkpoint_dir = Path(checkpoint_dir).resolve()
@@ -119,8 +127,8 @@ def last_good_checkpoint(checkpoint_dir: Path) -> Optional[Path]:
     for sibling in checkpoint_dir.parent.iterdir():
         if sibling == checkpoint_dir or not sibling.is_dir():
             continue
-        manifest = read_manifest(sibling)
-        if manifest and not verify_files(sibling, manifest, list(manifest["files"]), hash_contents=False):
+        manifest = complete_manifest(sibling)
+        if manifest:
             candidates.append(
                 (manifest["run"].get("global_step", -1), (sibling / MANIFEST_NAME).stat().st_mtime, sibling)
             )

@@ -98,7 +98,7 @@ def claim_for_this_job(folder: Path) -> None:
             refusal = str(error)
         except OSError as error:  # raised here alone, the other ranks would wait in the broadcast
             refusal = f"Cannot claim checkpoint folder {folder} for this job: {error}."
-    refusal = collectives.broadcast_object(refusal) if collectives.is_distributed() else refusal
+    refusal = collectives.broadcast_object(refusal)
     if refusal is not None:
         raise CheckpointStorageError(refusal)
     _claimed[key] = lock or Path(folder) / LOCK_NAME
