@@ -25,9 +25,10 @@ from torch.utils.data import DataLoader
 
 from lightning_hpz.exact_resume.data_order import order_record
 
-# DataLoader settings a loader that starts mid-epoch must keep (the batch sampler replaces batch_size and the rest)
-_KEPT = ("num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn", "multiprocessing_context",
-         "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")  # fmt: skip
+# DataLoader settings a loader that starts mid-epoch must keep (the batch sampler it is given holds batch_size,
+# drop_last, shuffling)
+_KEPT = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context", "generator",
+         "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")  # fmt: skip
 
 
 class _BatchesFrom:
@@ -48,7 +49,6 @@ def _loader_from_batch(loader: DataLoader, start: int) -> DataLoader:
     if not kept.get("num_workers"):
         kept.pop("prefetch_factor", None)  # DataLoader refuses it without workers
         kept.pop("persistent_workers", None)
-    kept.pop("drop_last", None)  # a property of the batch sampler, which is given
     return DataLoader(loader.dataset, batch_sampler=_BatchesFrom(loader.batch_sampler, start), **kept)
 
 

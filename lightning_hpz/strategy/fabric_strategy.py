@@ -167,8 +167,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         owners = [w for w in self._waiting if any(id(param) in held for param in w.module.parameters())]
         if len(owners) != 1:
             raise RuntimeError(_no_model_waits_for_an_optimizer(self._deferred, owners=len(owners)))
-        self._waiting = tuple(waiting for waiting in self._waiting if waiting is not owners[0])
-        return owners[0]
+        return owners[0]  # leaves the waiting ones at the next call: its engine is built now
 
     def _built_deferred_engine(self) -> None:
         if self._deferred is not None and self._deepspeed_engine is None:
