@@ -6,6 +6,7 @@ from the session's warm launcher (``warm_launcher.py``), which saves each rank a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from warm_launcher import WarmLauncher
+from warm_launcher import WarmLauncher, free_port
 
 # Every run the suite launches takes the CUDA branches of Lightning a CPU can take (strategy/cuda_semantics.py,
 # docs/cuda-semantics.md): validate/test/predict under torch.inference_mode, as on every GPU. A test that needs the
@@ -92,6 +93,30 @@ def _close_warm_launcher():
 def assert_succeeded(run: ScriptRun, ranks: int = 4) -> None:
     assert run.returncode == 0, run.output[-4000:]
     assert sorted(run.ranks) == list(range(ranks)), run.output[-4000:]
+
+
+def launch_nodes(script: str, options: dict, out: Path, nodes: int, env: dict | None = None) -> dict[int, dict]:
+    """A multi-node Lightning job on this machine, started as a user starts one: ``python script`` once per node with
+    ``NODE_RANK`` and one ``MASTER_ADDR``/``MASTER_PORT`` (Lightning's launcher starts each node's other ranks). Waits
+    for every node to succeed; returns each rank's ``rank<r>.json``."""
+    command = [sys.executable, str(SCRIPTS / script), json.dumps({**options, "out": str(out)})]
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+    base.update(env or {})
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(open(out / f"node{n}.log", "w")) for n in range(nodes)]
+        launched = [
+            subprocess.Popen(command, env={**base, "NODE_RANK": str(n)}, stdout=log, stderr=subprocess.STDOUT, cwd=out)
+            for n, log in enumerate(logs)
+        ]
+        try:
+            codes = [node.wait(timeout=300) for node in launched]
+        finally:
+            for node in launched:
+                if node.poll() is None:
+                    node.kill()
+    output = "".join((out / f"node{n}.log").read_text()[-3000:] for n in range(nodes))
+    assert codes == [0] * nodes, output
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
 
 
 def assert_loss_fell(losses: list[float]) -> None:

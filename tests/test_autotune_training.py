@@ -6,14 +6,8 @@ checkpoint's choice without measuring, and that values the user gave are kept.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import SCRIPTS
-from warm_launcher import free_port
+from conftest import launch_nodes
 
 TUNED_KEYS = (
     "zero_hpz_partition_size",
@@ -27,23 +21,8 @@ TUNED_KEYS = (
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict[int, dict]:
     out = tmp_path_factory.mktemp("autotune")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, str(SCRIPTS / "autotune_training.py"), json.dumps({"out": str(out)})]
-    with open(out / "node0.log", "w") as log0, open(out / "node1.log", "w") as log1:
-        nodes = [
-            subprocess.Popen(command, env={**env, "NODE_RANK": str(n)}, stdout=log, stderr=subprocess.STDOUT, cwd=out)
-            for n, log in enumerate((log0, log1))
-        ]
-        try:
-            codes = [node.wait(timeout=300) for node in nodes]
-        finally:
-            for node in nodes:
-                if node.poll() is None:
-                    node.kill()
-    output = "".join((out / f"node{n}.log").read_text()[-3000:] for n in (0, 1))
-    assert codes == [0, 0], output
-    records = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
-    assert sorted(records) == [0, 1, 2, 3], output
+    records = launch_nodes("autotune_training.py", {}, out, nodes=2)
+    assert sorted(records) == [0, 1, 2, 3]
     return records
 
 

@@ -5,45 +5,22 @@ world). Each hpZ size is one run started as a user starts a multi-node Lightning
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REGATHER_EVERY_MODULE, SCRIPTS, assert_loss_fell
-from warm_launcher import free_port
+from conftest import REGATHER_EVERY_MODULE, assert_loss_fell, launch_nodes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 NODES, DEVICES, STEPS = 3, 2, 12
 
 
-def launch_nodes(options: dict, out: Path) -> dict[int, dict]:
+def run_nodes(options: dict, out: Path) -> dict[int, dict]:
     """Start ``hpz_combinations.py`` once per node, wait for all; each global rank's record."""
     out.mkdir(parents=True)
-    command = [sys.executable, str(SCRIPTS / "hpz_combinations.py"), json.dumps({**options, "out": str(out)})]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
-    env["WORLD_SIZE"] = str(NODES * DEVICES)
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(open(out / f"node{n}.log", "w")) for n in range(NODES)]
-        nodes = [
-            subprocess.Popen(command, env={**env, "NODE_RANK": str(n)}, stdout=log, stderr=subprocess.STDOUT, cwd=out)
-            for n, log in enumerate(logs)
-        ]
-        try:
-            codes = [node.wait(timeout=300) for node in nodes]
-        finally:
-            for node in nodes:
-                if node.poll() is None:
-                    node.kill()
-    output = "".join((out / f"node{n}.log").read_text()[-3000:] for n in range(NODES))
-    assert codes == [0] * NODES, output
-    records = {int(p.stem[4:]): json.loads(p.read_text())["cases"]["plain"] for p in out.glob("rank*.json")}
-    assert sorted(records) == list(range(NODES * DEVICES)), output
-    return records
+    records = launch_nodes("hpz_combinations.py", options, out, NODES, env={"WORLD_SIZE": str(NODES * DEVICES)})
+    assert sorted(records) == list(range(NODES * DEVICES))
+    return {rank: record["cases"]["plain"] for rank, record in records.items()}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +30,7 @@ def runs(module_tmp) -> dict[int, dict[int, dict]]:
     by_size = {}
     for size in (1, DEVICES):
         strategy = {"stage": 3, "hpz_partition_size": size, "config": REGATHER_EVERY_MODULE}
-        by_size[size] = launch_nodes({**options, "strategy": strategy}, module_tmp / f"hpz{size}")
+        by_size[size] = run_nodes({**options, "strategy": strategy}, module_tmp / f"hpz{size}")
     return by_size
 
 
