@@ -19,6 +19,13 @@ What a CPU cannot show, checked on the GPU itself:
   DeepSpeed's own ZeRO-3, also with every secondary copy started late; ``none`` with late copies reads stale
   secondaries (counted on the device); the step time of ``event`` against ``stream``.
 
+* ``litgpt_loops_on_one_gpu``: LitGPT's own ``pretrain.main`` and ``finetune.full.main`` (unmodified, as
+  tests/test_litgpt_loops.py drives them on 4 CPU processes) on ``Fabric(accelerator="cuda", devices=1,
+  strategy=HpzFabricStrategy(stage=3))`` against the same loops under DDP: losses within 1e-3 (the suite's bound),
+  the engine stepped.
+* ``initial_weights_on_one_gpu``: the package's Llama-2 and T5 presets and a user's module built under ZeRO-1 and
+  ZeRO-3 (``zero.Init`` allocating on the GPU): bit-identical initial parameters and the same first loss.
+
 Without CUDA each of those is reported SKIP with the reason, and the same harnesses run on the CPU stand-ins
 (``*_plumbing`` rows: the emulated asynchronous device, gloo, ``accelerator="cpu"``), so the script itself is tested
 anywhere; with CUDA the stand-ins are left out (``--plumbing`` runs them too). Exit status 1 if any check failed.
@@ -276,6 +283,67 @@ def _median(times: list[float]) -> float:
     return settled[len(settled) // 2]
 
 
+# ----------------------------------------------------------------------------------------------- real clients
+SCRIPTS = REPO / "tests" / "scripts"
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
+
+
+def _run_script(name: str, options: dict, out: Path, timeout: float = 240) -> dict[int, dict]:
+    """A test script of the suite as a user runs it (``python script.py``), one process; its per-rank records."""
+    out.mkdir(parents=True, exist_ok=True)
+    # a fresh job: not the rendezvous of the one-device Trainer run earlier in this process (its port is still held)
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    command = [sys.executable, str(SCRIPTS / name), json.dumps({**options, "out": str(out)})]
+    done = subprocess.run(command, timeout=timeout, cwd=out.parent, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} exited {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
+    return {int(path.stem.removeprefix("rank")): json.loads(path.read_text()) for path in out.glob("rank*.json")}
+
+
+def _logged_losses(record: dict) -> list[float]:
+    return [entry["loss"] for entry in record["logged"] if "loss" in entry]
+
+
+def _loop_against_ddp(script: str, options: dict, out: Path) -> tuple[bool, str]:
+    on_gpu = {"accelerator": "cuda", "devices": 1, **options}
+    hpz = _run_script(script, {**on_gpu, "strategy": "hpz", "hpz": 1}, out / f"{script[:-3]}_hpz")[0]
+    ddp = _run_script(script, {**on_gpu, "strategy": "ddp"}, out / f"{script[:-3]}_ddp")[0]
+    losses, reference = _logged_losses(hpz), _logged_losses(ddp)
+    worst = max((abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=False)), default=math.inf)
+    ok = len(losses) == len(reference) > 1 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+    ok = ok and worst < 1e-3 and hpz["global_steps"] > 0
+    trend = f"{len(losses)} losses {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no losses"
+    return ok, f"{script}: {trend}, worst relative gap to DDP {worst:.1e}"
+
+
+def litgpt_loops_on_one_gpu(out: Path) -> tuple[str, str]:
+    pretrain_ok, pretrain = _loop_against_ddp("litgpt_pretrain.py", {"iterations": 8, "initial_checkpoint": True}, out)
+    finetune_ok, finetune = _loop_against_ddp("litgpt_finetune.py", {"steps": 6}, out)
+    return ("PASS" if pretrain_ok and finetune_ok else "FAIL"), f"{pretrain}; {finetune}"
+
+
+def initial_weights_on_one_gpu(out: Path) -> tuple[str, str]:
+    stages = {"zero1": {"stage": 1, "hpz_partition_size": 1}, "zero3": {"stage": 3, "hpz_partition_size": 1}}
+    families = {"llama2": ({"preset": "llama2-tiny"}, {"sequence_length": 64, "batch_size": 4}),
+                "t5": ({"preset": "t5-tiny"}, {"input_length": 64, "batch_size": 4}),
+                "user": ({}, {"sequence_length": 64, "batch_size": 4})}  # fmt: skip
+    jobs = [{"name": f"{family}/{stage}", "family": family, "steps": 1, "initial_state": True, "strategy": settings,
+             "model": model, "data": {"source": "default", **data}}
+            for family, (model, data) in families.items() for stage, settings in stages.items()]  # fmt: skip
+    options = {"accelerator": "cuda", "devices": 1, "strategy": stages["zero1"], "jobs": jobs}
+    records = _run_script("model_training.py", options, out / "initial_weights")[0]["jobs"]
+    (out / "initial_weights_digests.json").write_text(json.dumps(records))  # compared with a CPU run afterwards
+    verdicts = []
+    for family in families:
+        one, three = records[f"{family}/zero1"], records[f"{family}/zero3"]
+        same = one["parameter_digests"] == three["parameter_digests"] and one["losses"][0] == three["losses"][0]
+        verdicts.append((family, same, one["losses"][0], three["losses"][0]))
+    detail = "; ".join(f"{f}: {'identical' if same else 'DIFFERENT'} (first loss {a:.5f} vs {b:.5f})"
+                       for f, same, a, b in verdicts)  # fmt: skip
+    return ("PASS" if all(same for _, same, _, _ in verdicts) else "FAIL"), detail
+
+
 # ----------------------------------------------------------------------------------------------- driver
 def _run(name: str, check: Callable[[], tuple[str, str]]) -> CheckResult:
     start = time.perf_counter()
@@ -287,7 +355,7 @@ def _run(name: str, check: Callable[[], tuple[str, str]]) -> CheckResult:
     return CheckResult(name, status, detail, time.perf_counter() - start)
 
 
-def run_checks(out: Path, plumbing: bool = True) -> list[CheckResult]:
+def run_checks(out: Path, plumbing: bool = True, only: tuple[str, ...] = ()) -> list[CheckResult]:
     gpus = gpu_count()
     results = []
     cuda_checks = [
@@ -295,9 +363,13 @@ def run_checks(out: Path, plumbing: bool = True) -> list[CheckResult]:
         ("collectives_under_nccl", collectives_under_nccl),
         ("trainer_on_one_gpu", lambda: trainer_on_one_gpu(out)),
     ]
-    cuda_checks.append(("hpz_ranks", lambda: hpz_ranks(out, gpus)))
+    cuda_checks.append(("litgpt_loops_on_one_gpu", lambda: litgpt_loops_on_one_gpu(out)))
+    cuda_checks.append(("initial_weights_on_one_gpu", lambda: initial_weights_on_one_gpu(out)))
+    cuda_checks.append(("hpz_ranks", lambda: hpz_ranks(out, gpus)))  # the longest: last
+    cuda_checks = [(name, check) for name, check in cuda_checks if not only or name in only]
     for name, check in cuda_checks:
         results.append(_run(name, check) if gpus else CheckResult(name, "SKIP", "no CUDA device on this machine"))
+        print(table(results[-1:]), flush=True)  # each row as it comes: a run stopped at its time limit keeps them
     if plumbing:
         for name, check in (("ordering_plumbing", ordering_plumbing), ("collectives_plumbing", collectives_plumbing)):
             results.append(_run(name, check))
@@ -316,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results/gpu_acceptance", help="where results.json and results.md go")
     parser.add_argument("--no-plumbing", action="store_true", help="skip the CPU stand-ins of the CUDA checks")
     parser.add_argument("--plumbing", action="store_true", help="run the CPU stand-ins on a CUDA machine too")
+    parser.add_argument("--only", default="", help="comma-separated names of the CUDA checks to run (default: all)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("No CUDA device: the CUDA checks are skipped; running their CPU stand-ins (plumbing) only.")
@@ -323,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # on a GPU the real checks replace their CPU stand-ins, which would only spend device-machine time
     plumbing = args.plumbing or (not args.no_plumbing and not torch.cuda.is_available())
-    results = run_checks(out, plumbing=plumbing)
+    results = run_checks(out, plumbing=plumbing, only=tuple(filter(None, args.only.split(","))))
     (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     (out / "results.md").write_text(table(results) + "\n")
     print(table(results))

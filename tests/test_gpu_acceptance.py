@@ -12,6 +12,7 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_acceptance.py"
 CUDA_CHECKS = ["ordering_on_cuda_streams", "collectives_under_nccl", "trainer_on_one_gpu"]
+CUDA_CHECKS_WITH_FOLDER = ["trainer_on_one_gpu", "litgpt_loops_on_one_gpu", "initial_weights_on_one_gpu"]
 
 
 def _acceptance():
@@ -24,11 +25,11 @@ def _acceptance():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("check", CUDA_CHECKS)
+@pytest.mark.parametrize("check", sorted({*CUDA_CHECKS, *CUDA_CHECKS_WITH_FOLDER}))
 def test_cuda_check(check, tmp_path):
     acceptance = _acceptance()
     run = getattr(acceptance, check)
-    status, detail = run(tmp_path) if check == "trainer_on_one_gpu" else run()
+    status, detail = run(tmp_path) if check in CUDA_CHECKS_WITH_FOLDER else run()
     assert status == "PASS", detail
 
 
@@ -77,7 +78,7 @@ def test_without_cuda_the_script_runs_its_plumbing_and_skips_the_rest(tmp_path):
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     results = {r["name"]: r for r in json.loads((tmp_path / "results.json").read_text())}
-    for name in [*CUDA_CHECKS, "hpz_ranks"]:
+    for name in [*CUDA_CHECKS, *CUDA_CHECKS_WITH_FOLDER, "hpz_ranks"]:
         assert results[name]["status"] == "SKIP" and results[name]["detail"]
     for name in ("ordering_plumbing", "collectives_plumbing", "trainer_plumbing"):
         assert results[name]["status"] == "PASS", results[name]["detail"]

@@ -6,6 +6,7 @@ from transformers import LlamaForCausalLM
 
 from lightning_hpz import initialize_by_name
 from lightning_hpz.models import Llama2
+from lightning_hpz.models.initialization_by_name import draw_seed
 
 
 def _weights(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -59,3 +60,15 @@ def test_turned_off_keeps_transformers_own_draws():
     by_name = Llama2(preset="llama2-tiny")
     by_name.configure_model()
     assert not _same(_weights(module.model), _weights(by_name.model))
+
+
+def test_seed_is_drawn_on_the_cpu_whatever_the_default_device():
+    # Under ZeRO-1/2 on a GPU, Lightning runs configure_model inside torch.device("cuda"); under zero.Init there is no
+    # device context. A seed drawn on the default device came from the CUDA generator in one case and the CPU one in
+    # the other (seen on an H200). "meta" stands in for "cuda" here: it draws nothing, so only a CPU draw works.
+    torch.manual_seed(11)
+    plain = draw_seed()
+    torch.manual_seed(11)
+    with torch.device("meta"):
+        inside_a_device_context = draw_seed()
+    assert inside_a_device_context == plain

@@ -93,6 +93,17 @@ def test_full_finetuning_trains_as_ddp_and_resumes_exactly(module_tmp):
         assert _losses(run, rank)[-2:] == pytest.approx(_losses(hpz2, rank)[-2:], rel=1e-6), rank
 
 
+def test_full_finetuning_on_one_device(module_tmp):
+    # LitGPT's fine-tuning loops call `fabric.init_module(empty_init=(world_size > 1))`: on one device that is
+    # `empty_init=False`, which Lightning's ZeRO-3 refused (NotImplementedError) though zero.Init initialises anyway
+    one = run_script("litgpt_finetune.py", {"steps": 4, "strategy": "hpz", "hpz": 1, "devices": 1}, module_tmp / "one")
+    reference = run_script("litgpt_finetune.py", {"steps": 4, "strategy": "ddp", "devices": 1}, module_tmp / "one_ddp")
+    for run in (one, reference):
+        assert_succeeded(run, ranks=1)
+    assert one.ranks[0]["global_steps"] == 4
+    assert _losses(one, 0) == pytest.approx(_losses(reference, 0), rel=1e-4)
+
+
 def test_writes_between_init_module_and_setup_reach_the_shards(module_tmp):
     run = run_script("zero3_placeholder_writes.py", {}, module_tmp / "writes", ranks=2)
     assert run.returncode == 0, run.output[-4000:]

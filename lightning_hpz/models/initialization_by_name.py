@@ -24,9 +24,13 @@ ModuleInit = Callable[[nn.Module], None]
 
 
 def draw_seed() -> int:
-    """A seed drawn from torch's default generator: the same on every rank and under every ZeRO stage at the start
-    of ``configure_model`` (Lightning seeds every rank alike), so it is drawn before anything is built."""
-    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+    """A seed drawn from torch's default (CPU) generator: the same on every rank and under every ZeRO stage at the
+    start of ``configure_model`` (Lightning seeds every rank alike), so it is drawn before anything is built.
+
+    The device is named: under ZeRO-1/2 on a GPU, ``configure_model`` runs inside ``torch.device("cuda")`` (Lightning's
+    init context), where a plain ``torch.randint`` draws from the CUDA generator; under ZeRO-3 (``zero.Init``, no
+    device context) from the CPU one, so the two stages got different seeds (seen on an H200, not on a CPU)."""
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu").item())
 
 
 def name_seed(seed: int, name: str) -> int:

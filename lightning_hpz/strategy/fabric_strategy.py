@@ -109,6 +109,10 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        # Deliberate change: Lightning refuses `empty_init=False` under ZeRO-3, yet zero.Init runs every initializer
+        # (the weights are initialised as asked, then sharded). LitGPT's fine-tuning loops ask for it on one device.
+        if self.zero_stage_3 and empty_init is False:
+            empty_init = None
         context = super().module_init_context(empty_init=empty_init)
         return self._writes_reach_shards_after(context) if self.zero_stage_3 else context
 

@@ -58,8 +58,14 @@ def write_data(folder: Path) -> None:
 
 
 def main(options: dict) -> None:
+    world = options.get("devices", WORLD)  # 4 CPU processes in the suite; 1 on a GPU (gpu_acceptance.py)
     logger = LoggedLosses()
-    fabric = L.Fabric(strategy=build_strategy(options), accelerator="cpu", devices=WORLD, loggers=[logger])
+    fabric = L.Fabric(
+        strategy=build_strategy(options),
+        accelerator=options.get("accelerator", "cpu"),
+        devices=world,
+        loggers=[logger],
+    )
     fabric.launch()
     out = Path(options["out"])
     checkpoint, data = out.parent / "checkpoint", out.parent / "data"
@@ -70,7 +76,7 @@ def main(options: dict) -> None:
     train = TrainArgs(
         save_interval=2,
         log_interval=1,
-        global_batch_size=2 * MICRO_BATCH * WORLD,
+        global_batch_size=2 * MICRO_BATCH * world,
         micro_batch_size=MICRO_BATCH,
         lr_warmup_steps=1,
         epochs=5,
@@ -80,7 +86,7 @@ def main(options: dict) -> None:
     evaluation = EvalArgs(interval=1000, max_new_tokens=1000, max_iters=2)  # no generation: prompts + 1000 > 64
     optimizer = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-3}}
     full.main(
-        fabric, WORLD, options.get("resume", False), 1337, CONFIG, JSON(json_path=data, num_workers=0), checkpoint,
+        fabric, world, options.get("resume", False), 1337, CONFIG, JSON(json_path=data, num_workers=0), checkpoint,
         out / "litgpt", train, evaluation, optimizer, 1,
     )  # fmt: skip
     finish(fabric, logger, out)

@@ -100,16 +100,22 @@ def write_initial_checkpoint(fabric: L.Fabric, folder: Path) -> Path:
 
 
 def main(options: dict) -> None:
+    world = options.get("devices", WORLD)  # 4 CPU processes in the suite; 1 on a GPU (gpu_acceptance.py)
     logger = LoggedLosses()
-    fabric = L.Fabric(strategy=build_strategy(options), accelerator="cpu", devices=WORLD, loggers=[logger])
+    fabric = L.Fabric(
+        strategy=build_strategy(options),
+        accelerator=options.get("accelerator", "cpu"),
+        devices=world,
+        loggers=[logger],
+    )
     fabric.launch()
     iterations = options["iterations"]
     train = TrainArgs(
         save_interval=2,
         log_interval=1,
-        global_batch_size=2 * MICRO_BATCH * WORLD,  # two micro-batches per optimizer step
+        global_batch_size=2 * MICRO_BATCH * world,  # two micro-batches per optimizer step
         micro_batch_size=MICRO_BATCH,
-        max_tokens=iterations * MICRO_BATCH * CONFIG.block_size * WORLD,
+        max_tokens=iterations * MICRO_BATCH * CONFIG.block_size * world,
         max_norm=1.0,
         lr_warmup_steps=1,
         min_lr=1e-4,
@@ -117,7 +123,7 @@ def main(options: dict) -> None:
     out = Path(options["out"])
     initial = write_initial_checkpoint(fabric, out / "initial") if options.get("initial_checkpoint") else None
     pretrain.main(
-        fabric, devices=WORLD, seed=42, initial_checkpoint_dir=initial, resume=options.get("resume", False),
+        fabric, devices=world, seed=42, initial_checkpoint_dir=initial, resume=options.get("resume", False),
         config=CONFIG, data=CountingTokens(), out_dir=out / "litgpt", tokenizer_dir=None, tokenizer=None,
         train=train, eval=EvalArgs(interval=1000, max_iters=2), optimizer={"class_path": "torch.optim.AdamW",
         "init_args": {"lr": 3e-3}}, num_nodes=1,

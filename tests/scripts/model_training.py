@@ -83,8 +83,9 @@ def initial_loss(trainer, pl_module) -> float:
     """The loss of the model as built on the first training samples: the same batch whatever the number of ranks."""
     dataset = trainer.datamodule.train_set
     batch = default_collate([dataset[i] for i in range(INITIAL_LOSS_SAMPLES)])
+    input_ids, labels = batch["input_ids"].to(pl_module.device), batch["labels"].to(pl_module.device)
     with torch.no_grad():
-        return float(pl_module(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+        return float(pl_module(input_ids=input_ids, labels=labels).loss)
 
 
 class Recorder(L.Callback):
@@ -132,7 +133,7 @@ def run_job(job: dict, options: dict, out: Path) -> dict:
     recorder = Recorder(job.get("probe"), job.get("initial_state", False))
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
+        accelerator=options.get("accelerator", "cpu"),  # "cuda" in benchmarks/gpu_acceptance.py
         devices=options.get("devices", 4),
         max_steps=job["steps"],
         precision=job.get("precision", "32-true"),
