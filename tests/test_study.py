@@ -18,6 +18,7 @@ from lightning_hpz.study.analysis import best_by_size, memory_slope
 from lightning_hpz.study.cell_runner import FAILED, OK, CellRun
 from lightning_hpz.study.command import run_study, study_main
 from lightning_hpz.study.grid import expand_grid
+from lightning_hpz.study.loss_agreement import agreement, falls
 from lightning_hpz.study.prediction import predicted_memory
 from lightning_hpz.study.report import write_report
 from lightning_hpz.study.results_log import RESULTS_FILE, StudyResumeError, read_results
@@ -94,6 +95,9 @@ class FakeRunner:
         ({"stages": [1, 2]}, "Unknown key(s) ['stages'] in the study config"),
         ({"steps": 3, "warmup_steps": 2}, "leaves 1 measured steps"),
         ({"nodes": 2}, "a multi-node cell needs a `launcher:`"),
+        ({"lr_warmup_steps": 5}, "lr_warmup_steps=5 is not below steps=5"),
+        ({"lr_warmup_steps": -1}, "lr_warmup_steps=-1 must be a whole number, 0 or more"),
+        ({"lr_min_ratio": 1.5}, "lr_min_ratio=1.5: the final learning rate is a share of the peak"),
         ({"launcher": ["srun", "python", "-m", "lightning_hpz.study.worker"]}, "has no '{spec}' item"),
         ({"models": {"t5-tiny": {"family": "t5", "config": {}}}}, "a preset has that name"),
         ({"models": {"mine": {"family": "gpt", "config": {}}}}, "models.mine.family='gpt' is not one of"),
@@ -235,15 +239,39 @@ def test_best_strategy_per_size_is_the_fastest_that_fits_the_budget(tmp_path):
     assert row["fastest"]["strategy_label"] == "hpz(2)" and row["fit"] == 2
 
 
-def test_report_writes_the_table_and_three_plots(tmp_path):
+def test_report_writes_the_tables_and_four_plots(tmp_path):
     config = parse_study_config(study_dict(memory_budget_gib=1.0))
     records = run_study(config, tmp_path, runner=FakeRunner(), progress=False)
     report = write_report(config, records, tmp_path)
     markdown = (tmp_path / "results.md").read_text()
     assert markdown == report.markdown
-    assert markdown.count("| t5-tiny |") == 6 + 2  # six cells, and the best-per-size rows of two micro-batches
-    assert sorted(p.name for p in report.plots) == ["best_strategy.png", "memory_per_rank.png", "throughput.png"]
+    # six cells, and the best-per-size and loss rows of two micro-batches
+    assert markdown.count("| t5-tiny |") == 6 + 2 + 2
+    assert sorted(p.name for p in report.plots) == [
+        "best_strategy.png", "loss_curves.png", "memory_per_rank.png", "throughput.png"
+    ]  # fmt: skip
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in report.plots)
+    # every strategy of the fake runner reports the same falling losses: the verdict says they agree
+    assert "**All sizes fall and agree: yes.**" in markdown
+
+
+def test_losses_are_the_global_batch_mean_per_step_and_a_gap_is_flagged(tmp_path):
+    config = parse_study_config(study_dict(grid={"models": ["t5-tiny"], "micro_batch_sizes": [1]}))
+    records = run_study(config, tmp_path, runner=FakeRunner(), progress=False)
+    assert records[0]["losses"] == [5.0, 4.0, 3.5]  # ranks 0 and 1 end at 3.0 and 4.0
+    hpz = next(r for r in records if r["strategy"] == "hpz")
+    hpz["losses"] = [5.0, 4.0, 3.5 * (1 + 2e-3)]  # beyond the default tolerance of 1e-3
+    (row,) = agreement(records, config.loss_tolerance)
+    assert row["reference"] == "zero1" and row["gaps"]["zero3"] == 0.0
+    assert row["gaps"]["hpz(2)"] == pytest.approx(2e-3) and not row["agree"] and row["all_fall"]
+    markdown = write_report(config, records, tmp_path).markdown
+    assert "hpz(2) 2.0e-03" in markdown and "**All sizes fall and agree: no.**" in markdown
+
+
+def test_a_curve_falls_on_its_trend_not_on_one_batch():
+    assert falls([9.0, 8.0, 8.5, 7.0, 7.5, 6.0])
+    assert not falls([9.0, 6.0, 9.5, 9.0, 8.0, 9.8])  # the last batch is lower than the first, the trend is not
+    assert not falls([5.0])
 
 
 def test_prediction_moves_offloaded_states_to_the_host_on_gpu_only():
@@ -259,7 +287,7 @@ def test_prediction_moves_offloaded_states_to_the_host_on_gpu_only():
 
 # ------------------------------------------------------------------------------------------------- imports
 DRIVER_MODULES = ("command", "study_config", "grid", "cell_strategy", "cell_runner", "cell_summary", "prediction",
-                  "results_log", "report", "plots", "analysis")  # fmt: skip
+                  "results_log", "report", "plots", "analysis", "loss_agreement")  # fmt: skip
 HEAVY = ("torch", "lightning", "deepspeed", "transformers", "matplotlib", "lightning_hpz.models", "lightning_hpz.data")
 
 

@@ -61,14 +61,19 @@ def test_a_real_cell_records_memory_speed_loss_and_the_prediction(finished):
     assert 0 < record["settled_bytes"] <= record["memory_bytes"]
     assert len(record["step_times_s"]) == STEPS - WARMUP and record["step_time_median_s"] > 0
     assert record["tokens_per_s"] > 0 and record["tflops_per_s_per_rank"] > 0
-    losses = record["losses_rank0"]
+    losses = record["losses"]
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     # fp32; ZeRO-3's reduce bucket counts as far as gradients filled it (the whole model: it is below 2e8 elements)
     planner = memory_per_rank(
         record["parameters"], ZeroSetup(3, 2), ClusterLayout(1, 2), 4, 12, 4, record["parameters"]
     )
     assert record["predicted"]["device_bytes"] == pytest.approx(planner.total)
-    assert {p.name for p in out.glob("*.png")} == {"memory_per_rank.png", "throughput.png", "best_strategy.png"}
+    assert {p.name for p in out.glob("*.png")} == {
+        "memory_per_rank.png",
+        "throughput.png",
+        "best_strategy.png",
+        "loss_curves.png",
+    }
     assert "| llama2-tiny |" in (out / "results.md").read_text()
 
 

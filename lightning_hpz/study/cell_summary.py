@@ -27,8 +27,9 @@ def summarize_cell(
     if run.status == OK and run.ranks:
         record.update(_memory(run.ranks))
         record.update(_speed(run.ranks))
-        record["final_loss"] = statistics.fmean(r["losses"][-1] for r in run.ranks)
-        record["losses_rank0"] = run.ranks[0]["losses"]
+        # the global batch's loss per step: every rank's micro-batch has the same size, so the mean of the ranks'
+        record["losses"] = [statistics.fmean(step) for step in zip(*(r["losses"] for r in run.ranks), strict=True)]
+        record["final_loss"] = record["losses"][-1]
     return with_prediction(record, prediction)
 
 

@@ -103,6 +103,8 @@ def cell_spec(config: StudyConfig, cell: StudyCell, out: Path, cell_dir: Path) -
         "steps": config.steps,
         "warmup_steps": config.warmup_steps,
         "learning_rate": config.learning_rate,
+        "lr_warmup_steps": config.lr_warmup_steps,
+        "lr_min_ratio": config.lr_min_ratio,
         "activation_checkpointing": config.activation_checkpointing,
         "data": config.data,
         "deepspeed_config": config.deepspeed_config,

@@ -1,5 +1,6 @@
 """The study's figures (matplotlib, Agg): memory per rank and throughput against model size per strategy, and the
-fastest strategy that fits for each size. One panel per micro-batch size and precision."""
+fastest strategy that fits for each size (one panel per micro-batch size and precision), and the loss curves (one
+panel per model size)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,28 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_hpz.study.analysis import MIB, best_by_size, series
+from lightning_hpz.study.loss_agreement import loss_curves
 
 MEMORY_PLOT, THROUGHPUT_PLOT, BEST_PLOT = "memory_per_rank.png", "throughput.png", "best_strategy.png"
+LOSS_PLOT = "loss_curves.png"
+# identical curves lie on top of each other: each strategy gets its own marker and dash so that all stay visible
+_LINE_STYLES = (("o", "-"), ("s", "--"), ("^", "-."), ("x", ":"), ("d", "-"), ("v", "--"))
 
 
 def write_plots(records: list[dict[str, Any]], out: Path, budget: Optional[float]) -> list[Path]:
-    """Write the three PNGs into ``out``; none when no cell trained."""
+    """Write the PNGs into ``out``; none when no cell trained (the loss curves only when cells recorded them)."""
     if not any(r["status"] == "ok" for r in records):
         return []
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a cluster node
-    return [
+    plots = [
         _memory_plot(records, out / MEMORY_PLOT, budget),
         _throughput_plot(records, out / THROUGHPUT_PLOT),
         _best_plot(records, out / BEST_PLOT, budget),
     ]
+    curves = loss_curves(records)
+    return [*plots, _loss_plot(curves, out / LOSS_PLOT)] if curves else plots
 
 
 def _panels(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
@@ -119,4 +126,24 @@ def _best_plot(records: list[dict[str, Any]], path: Path, budget: Optional[float
         axis.set_xticks(range(len(chosen)), names, rotation=20, fontsize=8)
         axis.set(ylabel="tokens/s of the fastest strategy that fits")
         axis.set_title(f"best strategy per size, micro-batch {micro_batch}, {precision}", fontsize=9)
+    return _save(figure, path)
+
+
+def _loss_plot(curves: dict[tuple[str, int, str], dict[str, list[float]]], path: Path) -> Path:
+    """One panel per model size (and micro-batch, precision): the loss of every step, one line per strategy."""
+    import math
+
+    columns = min(3, len(curves))
+    rows = math.ceil(len(curves) / columns)
+    figure, axes = _figure(columns, rows=rows)
+    panels = [axis for row in axes for axis in row]
+    for axis, ((model, micro_batch, precision), by_strategy) in zip(panels, sorted(curves.items()), strict=False):
+        for (label, losses), (marker, dash) in zip(sorted(by_strategy.items()), _LINE_STYLES * 4, strict=False):
+            steps = range(1, len(losses) + 1)
+            axis.plot(steps, losses, marker=marker, linestyle=dash, markersize=4, label=label, alpha=0.8)
+        axis.set(xlabel="optimizer step", ylabel="training loss (global batch)")
+        axis.set_title(f"{model}, micro-batch {micro_batch}, {precision}", fontsize=9)
+        axis.legend(fontsize=8)
+    for axis in panels[len(curves) :]:
+        axis.set_visible(False)
     return _save(figure, path)

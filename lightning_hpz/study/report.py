@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_hpz.study.analysis import MIB, best_by_size, memory_slope, series
+from lightning_hpz.study.loss_agreement import agreement
 from lightning_hpz.study.plots import write_plots
 from lightning_hpz.study.study_config import StudyConfig
 
@@ -37,6 +38,8 @@ def write_report(config: StudyConfig, records: list[dict[str, Any]], out: Path) 
         slopes_table(records),
         "## Best strategy per model size",
         best_table(records, budget),
+        "## Losses: do the strategies train the same model?",
+        losses_section(records, config.loss_tolerance),
     ]
     failures = failures_list(records)
     if failures:
@@ -159,3 +162,36 @@ def best_table(records: list[dict[str, Any]], budget: Optional[float]) -> str:
 
 def failures_list(records: list[dict[str, Any]]) -> str:
     return "\n".join(f"- `{r['cell_id']}`: {r['status']}: {r['error']}" for r in records if r["status"] != "ok")
+
+
+def losses_section(records: list[dict[str, Any]], tolerance: float) -> str:
+    """Per model size: the reference strategy's first and last loss, each strategy's largest per-step gap to it,
+    and the verdicts (every curve falls; every gap within ``tolerance``)."""
+    rows = agreement(records, tolerance)
+    if not rows:
+        return "No cell recorded per-step losses."
+    intro = (
+        f"Per-step losses of the global batch (mean of the ranks). The same seed gives the same initial weights and "
+        f"batches under every strategy, so the curves differ only by the order in which gradients are summed. Gap = "
+        f"the largest |loss - reference| / reference over the steps; agree = every gap at most {tolerance:g} "
+        f"(`loss_tolerance`). Falls = the mean of the last three losses is below that of the first three."
+    )
+    header = "| model | micro-batch | precision | reference | first loss | last loss | falls | largest gaps | agree |"
+    lines = [intro, "", header, "|" + "---|" * (header.count("|") - 1)]
+    for row in rows:
+        gaps = ", ".join(f"{name} {gap:.1e}" for name, gap in sorted(row["gaps"].items()) if name != row["reference"])
+        cells = [
+            row["model"],
+            str(row["micro_batch_size"]),
+            row["precision"],
+            row["reference"],
+            f"{row['first_loss']:.4f}",
+            f"{row['last_loss']:.4f}",
+            "yes" if row["all_fall"] else "NO",
+            gaps or "-",
+            "yes" if row["agree"] else "NO",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    verdict = all(row["agree"] for row in rows) and all(row["all_fall"] for row in rows)
+    lines += ["", f"**All sizes fall and agree: {'yes' if verdict else 'no'}.**"]
+    return "\n".join(lines)

@@ -30,6 +30,9 @@ TOP_LEVEL_KEYS = (
     "timeout_s",
     "memory_budget_gib",
     "learning_rate",
+    "lr_warmup_steps",
+    "lr_min_ratio",
+    "loss_tolerance",
     "activation_checkpointing",
     "data",
     "deepspeed_config",
@@ -82,6 +85,9 @@ class StudyConfig:
     timeout_s: float = 900.0
     memory_budget_gib: Optional[float] = None
     learning_rate: float = 1e-3
+    lr_warmup_steps: int = 0  # linear warm-up of the learning rate (not the measurement's warmup_steps) ...
+    lr_min_ratio: float = 1.0  # ... then cosine decay to this share of the peak at the last step (1.0: constant)
+    loss_tolerance: float = 1e-3  # the report's bound on the relative loss gap between strategies of one model
     activation_checkpointing: bool = False
     data: dict[str, Any] = field(default_factory=dict)
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
@@ -103,6 +109,7 @@ class StudyConfig:
         relevant = {key: value for key, value in asdict(self).items() if key not in ("name", "description", "grid")}
         relevant.pop("timeout_s")
         relevant.pop("memory_budget_gib")
+        relevant.pop("loss_tolerance")  # a verdict of the report, not a setting of the training
         return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -138,6 +145,9 @@ def parse_study_config(raw: Any, default_name: str = "study") -> StudyConfig:
         timeout_s=_positive_number(raw.get("timeout_s", 900), "timeout_s"),
         memory_budget_gib=_optional_positive(raw.get("memory_budget_gib"), "memory_budget_gib"),
         learning_rate=_positive_number(raw.get("learning_rate", 1e-3), "learning_rate"),
+        lr_warmup_steps=_whole_number(raw.get("lr_warmup_steps", 0), "lr_warmup_steps"),
+        lr_min_ratio=_positive_number(raw.get("lr_min_ratio", 1.0), "lr_min_ratio"),
+        loss_tolerance=_positive_number(raw.get("loss_tolerance", 1e-3), "loss_tolerance"),
         activation_checkpointing=_flag(raw.get("activation_checkpointing", False), "activation_checkpointing"),
         data=_data(raw.get("data") or {}),
         deepspeed_config=_mapping(raw.get("deepspeed_config") or {}, "deepspeed_config"),
@@ -226,6 +236,16 @@ def _check_consistency(config: StudyConfig) -> None:
             f"steps={config.steps} with warmup_steps={config.warmup_steps} leaves {config.measured_steps} measured "
             "steps; the step-time spread needs at least 2. Raise steps or lower warmup_steps."
         )
+    if config.lr_warmup_steps >= config.steps:
+        raise StudyConfigError(
+            f"lr_warmup_steps={config.lr_warmup_steps} is not below steps={config.steps}: the learning rate would "
+            "never reach its peak. Lower lr_warmup_steps (0 for none) or raise steps."
+        )
+    if config.lr_min_ratio > 1:
+        raise StudyConfigError(
+            f"lr_min_ratio={config.lr_min_ratio}: the final learning rate is a share of the peak, in (0, 1]; "
+            "1.0 keeps it constant after the warm-up."
+        )
     if config.nodes > 1 and config.launcher is None:
         raise StudyConfigError(
             f"nodes={config.nodes}: a multi-node cell needs a `launcher:` that starts one process per rank on every "
@@ -305,6 +325,12 @@ def _flag(value: Any, name: str) -> bool:
 def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise StudyConfigError(f"{name}={value!r} must be a positive whole number.")
+    return value
+
+
+def _whole_number(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise StudyConfigError(f"{name}={value!r} must be a whole number, 0 or more.")
     return value
 
 

@@ -9,14 +9,16 @@ import torch
 from lightning_hpz.data import CausalLMDataModule, SpanCorruptionDataModule
 from lightning_hpz.models import LanguageModel
 from lightning_hpz.models.architectures import hf_config, is_encoder_decoder
-from lightning_hpz.models.optimization import weight_decay_groups
+from lightning_hpz.models.optimization import warmup_cosine, weight_decay_groups
 
 
 class StudyModel(LanguageModel):
     """:class:`~lightning_hpz.models.LanguageModel` of any family, from a family and config given as data.
 
-    The optimizer is AdamW at a constant learning rate (a study measures a few steps: no schedule), or DeepSpeed's
-    ``DeepSpeedCPUAdam`` when the strategy offloads the optimizer (DeepSpeed refuses a torch optimizer there).
+    The optimizer is AdamW, or DeepSpeed's ``DeepSpeedCPUAdam`` when the strategy offloads the optimizer (DeepSpeed
+    refuses a torch optimizer there). The learning rate warms up linearly over ``lr_warmup_steps``, then decays by a
+    cosine to ``lr_min_ratio`` of the peak at the cell's last step (``lr_min_ratio=1``: constant after the warm-up),
+    so that the losses of a short cell fall rather than swing.
     """
 
     def __init__(
@@ -26,6 +28,8 @@ class StudyModel(LanguageModel):
         config: dict[str, Any],
         learning_rate: float = 1e-3,
         activation_checkpointing: bool = False,
+        lr_warmup_steps: int = 0,
+        lr_min_ratio: float = 1.0,
     ) -> None:
         self.family = family  # read by LanguageModel while it resolves the config
         self._model_settings = config
@@ -33,22 +37,28 @@ class StudyModel(LanguageModel):
             preset=name,
             learning_rate=learning_rate,
             weight_decay=0.0,
-            warmup_steps=0,
+            warmup_steps=lr_warmup_steps,
+            min_lr_ratio=lr_min_ratio,
             activation_checkpointing=activation_checkpointing,
         )
 
     def _resolve_config(self, preset: Any, pretrained: Any) -> Any:
         return hf_config(self.family, self._model_settings)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> dict[str, Any]:
         assert self.model is not None
-        groups = weight_decay_groups(self.model, self.hparams.weight_decay)
+        hp = self.hparams
+        groups = weight_decay_groups(self.model, hp.weight_decay)
         zero = getattr(self.trainer.strategy, "config", {}).get("zero_optimization", {})
         if "offload_optimizer" in zero:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            return DeepSpeedCPUAdam(groups, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas))
-        return torch.optim.AdamW(groups, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas))
+            optimizer = DeepSpeedCPUAdam(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
+        multiplier = warmup_cosine(hp.warmup_steps, float(self.trainer.max_steps), hp.min_lr_ratio)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class _Limited:

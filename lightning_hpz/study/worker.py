@@ -64,6 +64,8 @@ def train(spec: dict[str, Any], measurement: CellMeasurement) -> L.Trainer:
         model["config"],
         learning_rate=spec["learning_rate"],
         activation_checkpointing=spec["activation_checkpointing"],
+        lr_warmup_steps=spec.get("lr_warmup_steps", 0),  # specs written before the schedule existed: constant
+        lr_min_ratio=spec.get("lr_min_ratio", 1.0),
     )
     trainer.fit(module, data)
     return trainer
