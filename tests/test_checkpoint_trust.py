@@ -32,7 +32,7 @@ REFUSED_JOBS = ["model_states", "optimizer_shard", "truncated_shard", "stage_cha
 @pytest.fixture(scope="module")
 def written(module_tmp):
     """4 ranks write checkpoints at steps 2 and 4; rank 1 dies half-way through its shard at step 6."""
-    job = {"stage": 3, "hpz": 2, "max_steps": 8, "kill_rank": 1, "kill_step": 6}
+    job = {"stage": 3, "hpz": 2, "max_steps": 8, "kill_rank": 1, "kill_step": 6, "moments": True}
     options = {"devices": 4, "ckpt_dir": str(module_tmp / "ckpts"), "jobs": [job]}
     run = run_script("checkpoint_training.py", options, module_tmp / "write", timeout=400, ranks=4)
     ckpts = module_tmp / "ckpts"
@@ -78,8 +78,8 @@ def moved_down(written, module_tmp):
     # 4 -> 2 ranks: exact in weights and optimizer state, not in data order, so only with exact_resume=False
     resize = {"stage": 3, "exact_resume": False}
     jobs.append({**resize, "max_steps": 5, "ckpt_path": str(copies["no_manifest"]), "ckpt_dir": scratch})
-    jobs.append({**resize, "max_steps": 8, "ckpt_path": "last"})
-    jobs.append({"stage": 2, "max_steps": 4, "ckpt_dir": str(module_tmp / "ckpts_stage2")})
+    jobs.append({**resize, "max_steps": 8, "ckpt_path": "last", "moments": True})
+    jobs.append({"stage": 2, "max_steps": 4, "ckpt_dir": str(module_tmp / "ckpts_stage2"), "moments": True})
     jobs.append({"stage": 3, "max_steps": 8, "ckpt_path": str(ckpts / "step=4.ckpt"), "ckpt_dir": scratch})
     options = {"devices": 2, "ckpt_dir": str(ckpts), "jobs": jobs}
     return run_script("checkpoint_training.py", options, module_tmp / "down", timeout=500, ranks=2), copies
@@ -90,8 +90,8 @@ def moved_up(moved_down, written, module_tmp):
     """4 ranks resume the 2-rank checkpoints: ZeRO-2, then ZeRO-3 with hpZ 2."""
     _, ckpts, _ = written
     jobs = [
-        {"stage": 2, "max_steps": 6, "ckpt_path": str(module_tmp / "ckpts_stage2" / "step=4.ckpt")},
-        {"stage": 3, "hpz": 2, "max_steps": 10, "ckpt_path": str(ckpts / "step=8.ckpt")},
+        {"stage": 2, "max_steps": 6, "ckpt_path": str(module_tmp / "ckpts_stage2" / "step=4.ckpt"), "moments": True},
+        {"stage": 3, "hpz": 2, "max_steps": 10, "ckpt_path": str(ckpts / "step=8.ckpt"), "moments": True},
     ]
     for job in jobs:
         job["exact_resume"] = False  # a resize: see test_resize_under_exact_resume_is_refused
@@ -167,6 +167,15 @@ def _assert_weights_match(weights_file: Path, checkpoint_dir: Path, tmp: Path) -
     assert all(torch.equal(resumed[name], state[name]) for name in state), "weights changed in the move"
 
 
+def _assert_moments_match(resumed: Path, saved: Path) -> None:
+    """Adam's moments, whole, as the resized run starts against those of the run that saved: bit for bit."""
+    before, after = torch.load(saved), torch.load(resumed)
+    assert sorted(before) == sorted(after) and len(before) >= 2
+    differing = [name for name in before if not torch.equal(before[name], after[name])]
+    assert not differing, f"moments changed in the move: {differing}"
+    assert any(value.abs().sum() > 0 for value in before.values())  # real moments, not zeros on both sides
+
+
 def test_four_to_two_ranks_resumes_identical_weights_and_trains(written, moved_down, module_tmp):
     _, ckpts, _ = written
     jobs = _jobs(moved_down[0], 2)
@@ -178,6 +187,9 @@ def test_four_to_two_ranks_resumes_identical_weights_and_trains(written, moved_d
     assert any("written on 4 ranks on 2 ranks" in w and "data order" in w for w in jobs[0][resumed_job]["warnings"])
     # each parameter group keeps its own settings through the conversion (DeepSpeed's copied the first group's)
     assert all(rank_jobs[resumed_job]["weight_decay"] == [0.1, 0.0] for rank_jobs in jobs)
+    # ZeRO-3 + hpZ 2 on 4 ranks to ZeRO-3 on 2: the optimizer state is carried exactly, not only the weights
+    _assert_moments_match(module_tmp / "down" / f"moments_job{resumed_job}_step4.pt", module_tmp / "write" /
+                          "moments_job0_step4.pt")  # fmt: skip
 
 
 @pytest.mark.parametrize("job,stage,steps", [(0, 2, [4, 5]), (1, 3, [8, 9])])
@@ -189,6 +201,9 @@ def test_two_to_four_ranks_resumes_identical_weights_and_trains(moved_up, writte
     _assert_weights_match(module_tmp / "up" / f"weights_job{job}.pt", source, module_tmp)
     assert [rank_jobs[job]["start_step"] for rank_jobs in jobs] == [steps[0]] * 4
     assert all(rank_jobs[job]["weight_decay"] == [0.1, 0.0] for rank_jobs in jobs)
+    # saved by the 2-rank jobs that wrote the source (index 6: ZeRO-2 to step 4; 5: ZeRO-3 to step 8)
+    saved = module_tmp / "down" / (f"moments_job6_step{steps[0]}.pt" if stage == 2 else "moments_job5_step8.pt")
+    _assert_moments_match(module_tmp / "up" / f"moments_job{job}_step{steps[0]}.pt", saved)
     losses = jobs[0][job]["losses"]
     assert sorted(int(step) for step in losses) == steps
     assert all(math.isfinite(loss) for loss in losses.values())

@@ -5,7 +5,8 @@ same processes, each ``{"stage", "hpz", "max_steps", "ckpt_path", "ckpt_dir", "k
 Every 2 steps ``ModelCheckpoint`` saves (``save_last=True``) into the job's ``ckpt_dir`` (default
 ``options["ckpt_dir"]``). ``kill_rank`` dies half-way through writing its optimizer shard of the checkpoint at
 ``kill_step``. Each rank writes ``rank<r>.json``: per job the step it resumed at, the losses, or the error it raised;
-rank 0 also saves the full fp32 weights it resumed with.
+rank 0 also saves the full fp32 weights it resumed with, and, for a job with ``"moments": true``, Adam's full
+moments (every rank's shards joined) at the start and before each save (``moments_job<i>_step<s>.pt``).
 """
 
 import json
@@ -52,6 +53,26 @@ class ResumeRecorder(L.Callback):
             weights = {name: p.detach().clone().float() for name, p in params.items()}
         if trainer.global_rank == 0:
             torch.save(weights, self.out / f"weights_job{self.index}.pt")
+        self._save_moments(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % 2 == 0:  # ModelCheckpoint (a checkpoint callback: it runs after this) saves now
+            self._save_moments(trainer, pl_module)
+
+    def _save_moments(self, trainer, pl_module) -> None:
+        """Adam's moments of every parameter, whole (a collective: every rank calls it), kept by rank 0."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        if not self.job.get("moments") or trainer.global_step == 0:
+            return  # before the first step Adam has no moments (DeepSpeed raises KeyError on asking)
+        moments = {
+            f"{name}.{key}": safe_get_full_optimizer_state(param, key)
+            for name, param in pl_module.named_parameters()
+            for key in ("exp_avg", "exp_avg_sq")
+        }
+        if trainer.global_rank == 0 and all(value is not None for value in moments.values()):
+            moments = {name: value.detach().clone().cpu() for name, value in moments.items()}
+            torch.save(moments, self.out / f"moments_job{self.index}_step{trainer.global_step}.pt")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if trainer.global_step == self.job.get("kill_step") and trainer.global_rank == self.job.get("kill_rank"):
