@@ -59,6 +59,20 @@ class _OwnInit(nn.Module):
         pass
 
 
+class _ComputesScale(_OwnInit):
+    """A user's model that computes ``_Scale``'s buffer in ``_init_weights``, as transformers does its rotary ones."""
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, _Scale):
+            module.scale.copy_(torch.full((4,), 1 / 3))
+
+
+def test_buffer_a_users_init_weights_computes_is_computed_in_float32():
+    model = _ComputesScale()
+    assert recompute_buffers_in_float32(model) == ["scale.scale"]
+    assert model.scale.scale.dtype == torch.float32 and torch.equal(model.scale.scale, torch.full((4,), 1 / 3))
+
+
 @pytest.mark.parametrize("model", [_OwnInit(), nn.Sequential(_Scale())], ids=["not-computed-by-init", "no-init"])
 def test_buffer_nobody_computes_keeps_its_dtype_and_values(model):
     scale = model.get_submodule("scale" if isinstance(model, _OwnInit) else "0").scale
