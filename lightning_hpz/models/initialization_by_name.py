@@ -51,7 +51,7 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def _post_order(
+def post_order_with_owners(
     module: nn.Module, name: str = "", owner: Optional[nn.Module] = None, seen: Optional[set[int]] = None
 ) -> Iterator[tuple[str, nn.Module, Optional[nn.Module]]]:
     """Every submodule after its children (as ``nn.Module.apply`` and transformers' ``post_init`` visit them), with
@@ -65,7 +65,7 @@ def _post_order(
     owner = module if callable(getattr(module, "_init_weights", None)) else owner
     for child_name, child in module.named_children():
         if id(child) not in seen:
-            yield from _post_order(child, f"{name}.{child_name}" if name else child_name, owner, seen)
+            yield from post_order_with_owners(child, f"{name}.{child_name}" if name else child_name, owner, seen)
     yield name, module, owner
 
 
@@ -90,7 +90,7 @@ def initialize_by_name(module: nn.Module, init_fn: Optional[ModuleInit] = None, 
         seed: default: one number drawn from torch's default generator.
     """
     seed = draw_seed() if seed is None else seed
-    for name, submodule, owner in _post_order(module):
+    for name, submodule, owner in post_order_with_owners(module):
         targets = init_targets(submodule)
         if not targets:
             continue  # nothing of its own to draw (buffers such as rotary frequencies are computed, not drawn)

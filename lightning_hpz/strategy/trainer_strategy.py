@@ -34,6 +34,7 @@ from lightning_hpz.lifecycle.op_build_launcher import OpsBuiltFirstLauncher
 from lightning_hpz.lifecycle.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz.lifecycle.run_exit import CoordinatedExit
 from lightning_hpz.lifecycle.save_deadline import SaveDeadline
+from lightning_hpz.models.computed_buffers import recompute_buffers_in_float32
 from lightning_hpz.strategy.hpz_setup import HpzSetup
 from lightning_hpz.strategy.inference_config import inference_config
 
@@ -251,8 +252,10 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         self._tune_structure(self.lightning_module)  # zero.Init builds parameters with the hpZ size it finds
         with super().model_sharded_context():
             yield
-        # `configure_model` may have written weights into the shards: no secondary copy may keep the old values.
         if self.zero_stage_3 and self.lightning_module is not None:
+            # zero.Init computed buffers such as rotary frequencies in the training precision; ZeRO-1/2 in float32
+            recompute_buffers_in_float32(self.lightning_module)
+            # `configure_model` may have written weights into the shards: no secondary copy may keep the old values.
             partitioning.refresh_secondary_partitions(self.lightning_module)
 
     @override

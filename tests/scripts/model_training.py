@@ -4,7 +4,8 @@ Run as ``python model_training.py '<json options>'``. ``options["jobs"]`` is a l
 other in the same processes (one hpZ size per script: DeepSpeed's secondary process group is global). Each rank
 writes ``rank<r>.json`` into ``out``: per job, the losses, the sample indices it trained on per epoch, how many
 parameter elements it held after the model was built, (for probe jobs) logits before and after training, and (for
-``initial_state`` jobs) a digest of every initial parameter and the initial loss on the first training samples.
+``initial_state`` jobs) a digest of every initial parameter and buffer and the initial loss on the first training
+samples.
 The family ``"user"`` is a LightningModule of the kind a user writes, its layers built in ``configure_model``.
 """
 
@@ -79,6 +80,14 @@ def parameter_digests(pl_module) -> dict[str, str]:
     return {name: hashlib.sha256(value).hexdigest() for name, value in values.items()}
 
 
+def buffer_digests(pl_module) -> dict[str, str]:
+    """Every buffer's dtype and a SHA-256 of its bytes (rotary frequencies are buffers, computed, not drawn)."""
+    raw = {
+        name: b.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes() for name, b in pl_module.named_buffers()
+    }
+    return {name: f"{b.dtype}:{hashlib.sha256(raw[name]).hexdigest()}" for name, b in pl_module.named_buffers()}
+
+
 def initial_loss(trainer, pl_module) -> float:
     """The loss of the model as built on the first training samples: the same batch whatever the number of ranks."""
     dataset = trainer.datamodule.train_set
@@ -104,6 +113,7 @@ class Recorder(L.Callback):
         self.record["logits_before"] = self._probe_logits(pl_module)
         if self.initial_state:
             self.record["parameter_digests"] = parameter_digests(pl_module)
+            self.record["buffer_digests"] = buffer_digests(pl_module)
             self.record["initial_loss"] = initial_loss(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
