@@ -1,0 +1,98 @@
+"""A whole job SIGKILLed during its saves, ten times in a row, never loses the checkpoint a save reported committed.
+
+One job (2 CPU ranks, ZeRO-3, ``last.ckpt`` saved after every step) is started in a session of its own and killed
+whole, then restarted with ``ckpt_path="last"``, as a requeued job is: four times at a commit fault point (the n-th
+commit of the launch, the process group killed from inside the commit) and six times at a random instant (the test
+kills the process group while the job saves every step, so most kills land inside a save). Each restart must resume
+from a step no older than the last one a save had reported committed, and the last launch trains to the end.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SCRIPTS
+
+from lightning_hpz.checkpointing.fault_points import FAULT_AT_ENV_VAR, FAULT_POINT_ENV_VAR, FAULT_SCOPE_ENV_VAR
+from lightning_hpz.checkpointing.manifest import read_manifest, verify_files
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+MAX_STEPS = 120  # a launch trains up to ~15 steps (0.1 s each) before its kill: the last one must still have work
+KILLS = [
+    ("commit:manifest_written", 2),
+    ("commit:new_in_place", 2),
+    ("random", None),
+    ("random", None),
+    ("commit:manifest_written", 3),
+    ("random", None),
+    ("commit:new_in_place", 3),
+    ("random", None),
+    ("random", None),
+    ("random", None),
+]
+
+
+def _committed_steps(out: Path) -> list[int]:
+    progress = out / "progress.txt"
+    return [int(line) for line in progress.read_text().split()] if progress.exists() else []
+
+
+def _launch(out: Path, launch: int, fault: tuple[str, int] | None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name in ("MASTER_PORT", "MASTER_ADDR", FAULT_POINT_ENV_VAR, FAULT_AT_ENV_VAR, FAULT_SCOPE_ENV_VAR):
+        env.pop(name, None)
+    if fault is not None:
+        env.update({FAULT_POINT_ENV_VAR: fault[0], FAULT_AT_ENV_VAR: str(fault[1]), FAULT_SCOPE_ENV_VAR: "job"})
+    options = json.dumps({"out": str(out), "max_steps": MAX_STEPS, "launch": launch})
+    log = open(out / f"launch{launch}.log", "w")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "killed_saves.py"), options], stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True, env=env, cwd=out,
+    )  # fmt: skip
+
+
+def _kill_at_random(job: subprocess.Popen, out: Path, already: int, chance: random.Random) -> None:
+    """Once the launch has committed a step of its own, SIGKILL its process group at a random instant."""
+    deadline = time.monotonic() + 240
+    while len(_committed_steps(out)) <= already and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(chance.uniform(0.0, 0.5))
+    os.killpg(job.pid, signal.SIGKILL)
+
+
+def _resumed_from(out: Path, launch: int) -> dict:
+    return json.loads((out / f"start{launch}.json").read_text())
+
+
+def test_ten_whole_job_kills_during_saves_never_lose_a_reported_commit(tmp_path):
+    out = tmp_path / "job"
+    out.mkdir()
+    chance = random.Random(30)
+    rows = []
+    for launch, (point, count) in enumerate([*KILLS, (None, None)]):
+        reported = _committed_steps(out)
+        job = _launch(out, launch, None if point in (None, "random") else (point, count))
+        if point == "random":
+            _kill_at_random(job, out, len(reported), chance)
+        code = job.wait(timeout=300)
+        resumed = _resumed_from(out, launch)["start_step"]
+        last_reported = max(reported, default=0)
+        assert resumed >= last_reported, (launch, point, resumed, last_reported, (out / f"launch{launch}.log"))
+        if point is None:
+            assert code == 0 and _resumed_from(out, launch)["end_step"] == MAX_STEPS
+        else:
+            assert code == -signal.SIGKILL, (launch, code, (out / f"launch{launch}.log").read_text()[-3000:])
+        rows.append((launch, point or "none (trains to the end)", count, code, last_reported, resumed))
+    last = out / "ckpts" / "last.ckpt"
+    assert read_manifest(last)["run"]["global_step"] == MAX_STEPS
+    assert verify_files(last, read_manifest(last), list(read_manifest(last)["files"])) == []
+    table = ["| launch | killed at | commit no. | exit | last reported committed | resumed from |"]
+    table += [f"| {a} | {b} | {c or '-'} | {d} | {e} | {f} |" for a, b, c, d, e, f in rows]
+    print("\n".join(table))
