@@ -244,7 +244,9 @@ def _notes(args: argparse.Namespace) -> list[str]:
         "Cross-node bytes are the transmit counters of both veth ends over the measured steps (warm-up excluded), "
         f"so they include TCP/IP headers and ACKs (MTU {args.shape.mtu}); per rank = link bytes / world size.",
         "Predictions for the PyTorch peers use the ZeRO setup with the same traffic: FSDP2 full shard = ZeRO-3, "
-        "FSDP2 reshard to a node = hpZ, DDP = stage 0 (one all-reduce); gloo reduce-scatters as all-reduces.",
+        "FSDP2 reshard to a node = hpZ, DDP = stage 0 (one all-reduce); gloo reduce-scatters as all-reduces. FSDP2 HSDP "
+        "and MiCS: ZeRO-3 sharded within a node, the gradient shard all-reduced across nodes "
+        "(ZeroSetup(3, shard_size=devices per node)).",
         "On CPU the hpz_sync modes do the same work: a CPU copy completes before it returns, so there is nothing "
         "to order (the modes differ on GPUs).",
         "link-bound s: the seconds per step the busier direction of the link needs for its bytes at the nominal "
