@@ -53,9 +53,7 @@ def test_mics_group_spanning_two_nodes_flat_and_hierarchical():
     # Reduce-scatter over the group: the same 1500 + 1500. Replica all-reduce of 1000 bytes: 2 * 1000 * 1/2 = 1000.
     assert flat.inter_node_bytes == pytest.approx(1500 * 3 + 1000)
     assert flat.intra_node_bytes == pytest.approx(1500 * 3)
-    hierarchical = traffic_per_step(
-        PARAMS, ZeroSetup(3, shard_size=4, hierarchical_gather=True), FOUR_BY_TWO, **FP32
-    )
+    hierarchical = traffic_per_step(PARAMS, ZeroSetup(3, shard_size=4, hierarchical_gather=True), FOUR_BY_TWO, **FP32)
     # Hierarchical gather: each rank sends its 1000-byte shard to its partner on the other node (1000 across), then
     # gathers both 2000-byte chunks inside the node (2 * 1000 = 2000 within); forward and backward.
     assert hierarchical.inter_node_bytes == pytest.approx(1000 * 2 + 1500 + 1000)

@@ -123,8 +123,6 @@ CONFIGURATIONS: dict[str, BenchConfiguration] = {
     )
 }
 QUICK_CONFIGURATIONS = ("zero3", "hpz-event", "fsdp2-node")
-# Issue 29's comparison: plain ZeRO-3, hpZ, FSDP2 resharding to a node, FSDP2 HSDP and MiCS, at each link speed.
-HEAD_TO_HEAD_CONFIGURATIONS = ("zero3", "hpz-event", "fsdp2-full", "fsdp2-node", "fsdp2-hsdp", "deepspeed-mics")
 
 
 def select(names: Optional[list[str]], quick: bool) -> list[BenchConfiguration]:

@@ -98,7 +98,8 @@ def parse_plan_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="lightning-hpz plan",
         description="Predict bytes sent per rank per step (across / within nodes), communication time and memory "
-        "per rank (model states) for DDP, ZeRO-1/2/3, hpZ, ZeRO++, FSDP2 HSDP and DeepSpeed MiCS. Model: lightning_hpz/planning/communication.py.",
+        "per rank (model states) for DDP, ZeRO-1/2/3, hpZ, ZeRO++, FSDP2 HSDP and DeepSpeed MiCS. "
+        "Model: lightning_hpz/planning/communication.py.",
     )
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
