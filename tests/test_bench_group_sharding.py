@@ -4,8 +4,8 @@ Each configuration starts as the testbed starts it (one torchrun agent per node,
 each rank), here over loopback without namespaces: the losses are checked, not the bytes (the netns test does those).
 Every step's rank-mean loss must be finite and agree with plain ZeRO-3's (``HpzStrategy``, same model, data, seed)
 within the bench's own tolerance for another reduction order: 2e-3 of the largest loss
-(:data:`lightning_hpz.bench.results.CLOSE_TOLERANCE`). MiCS runs only with a DeepSpeed that still has it (0.19.8
-removed it; see ``configurations.MICS_MISSING``).
+(:data:`lightning_hpz.bench.results.CLOSE_TOLERANCE`). MiCS runs only where it can: DeepSpeed 0.19.8 removed it,
+and 0.18.9's needs coalesced collectives, which torch's gloo lacks (``configurations.unavailable_reason``).
 """
 
 from __future__ import annotations

@@ -106,7 +106,15 @@ def test_mics_is_left_out_of_the_defaults_and_refused_by_name_where_deepspeed_la
     with pytest.raises(ValueError, match="removed MiCS"):
         configurations.select(["zero3", "deepspeed-mics"], quick=False)
     monkeypatch.setattr(configurations, "mics_available", lambda: True)
+    monkeypatch.setattr(configurations, "gloo_coalesces", lambda: False)  # torch 2.13's gloo
+    with pytest.raises(ValueError, match="does not implement startCoalescing"):
+        configurations.select(["deepspeed-mics"], quick=False)
+    monkeypatch.setattr(configurations, "gloo_coalesces", lambda: True)
     assert configurations.select(["deepspeed-mics"], quick=False)[0].shard_size(2) == 2
+
+
+def test_gloo_coalescing_is_asked_of_torch():
+    assert isinstance(configurations.gloo_coalesces(), bool)
 
 
 def test_plan_command_lists_hsdp_and_mics(capsys):

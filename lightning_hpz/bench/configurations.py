@@ -52,8 +52,11 @@ class BenchConfiguration:
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this installation cannot train the configuration, or ``None``. Imports nothing heavy."""
-        if self.driver == "deepspeed" and self.replica_per_node and not mics_available():
-            return MICS_MISSING
+        if self.driver == "deepspeed" and self.replica_per_node:
+            if not mics_available():
+                return MICS_MISSING
+            if not gloo_coalesces():
+                return MICS_NEEDS_COALESCING
         return None
 
     def strategy_kwargs(self, devices_per_node: int) -> dict[str, Any]:
@@ -71,6 +74,12 @@ MICS_MISSING = (
     "DeepSpeed MiCS needs deepspeed/runtime/zero/mics.py, which this DeepSpeed lacks: DeepSpeed 0.19.8 removed MiCS "
     "and refuses 'mics_shard_size' (https://github.com/deepspeedai/DeepSpeed/issues/8489); 0.18.9 still has it"
 )
+MICS_NEEDS_COALESCING = (
+    "DeepSpeed MiCS gathers parameters inside torch's _coalescing_manager (mics.py "
+    "_flat_all_gather_with_coalescing_manager -> deepspeed/comm/torch.py all_gather_coalesced), which torch's gloo "
+    "backend, the one this CPU benchmark runs on, does not implement: the first forward fails with 'RuntimeError: "
+    "Backend gloo does not implement startCoalescing' (DeepSpeed 0.18.9, torch 2.13); MiCS needs NCCL"
+)
 HSDP_NOTE = (
     "FSDP2 hybrid sharding (HSDP), as torch documents it: a 2-D DeviceMesh ('replicate', 'shard') = (nodes, devices "
     "per node) from init_device_mesh, fully_shard(unit, mesh=mesh) on the embeddings, each block and the head, then on "
@@ -82,7 +91,8 @@ MICS_NOTE = (
     "per node>, mics_hierarchical_params_gather=false, the model built under deepspeed.zero.MiCS_Init(config), "
     "deepspeed.initialize, engine(batch)/backward/step. The hierarchical gather is off because DeepSpeed asserts that "
     "a shard group spanning one node has no use for it ('sharding spans on single node'). Needs DeepSpeed with "
-    "runtime/zero/mics.py (0.9.2-0.18.x; 0.19.8 removed it)."
+    "runtime/zero/mics.py (0.9.2-0.18.x; 0.19.8 removed it) and a backend with coalesced collectives (NCCL; gloo "
+    "has none, so on this CPU testbed it is refused with the reason)."
 )
 
 
@@ -95,6 +105,13 @@ def mics_available() -> bool:
     spec = importlib.util.find_spec("deepspeed")
     folders = spec.submodule_search_locations if spec is not None else None
     return any((Path(folder) / "runtime" / "zero" / "mics.py").is_file() for folder in folders or ())
+
+
+def gloo_coalesces() -> bool:
+    """Whether torch's gloo backend implements coalesced collectives (asked of a one-rank group of its own)."""
+    import torch.distributed as dist
+
+    return bool(dist.ProcessGroupGloo(dist.HashStore(), 0, 1).supports_coalescing)
 
 
 CONFIGURATIONS: dict[str, BenchConfiguration] = {
@@ -128,8 +145,8 @@ QUICK_CONFIGURATIONS = ("zero3", "hpz-event", "fsdp2-node")
 def select(names: Optional[list[str]], quick: bool) -> list[BenchConfiguration]:
     """The configurations to run, in the given order; the quick or full default set when ``names`` is empty.
 
-    The default sets leave out what this installation cannot train (MiCS without DeepSpeed's MiCS); naming such a
-    configuration is refused with the reason.
+    The default sets leave out what this installation cannot train (MiCS: without DeepSpeed's MiCS, or over a gloo
+    without coalesced collectives); naming such a configuration is refused with the reason.
     """
     if not names:
         defaults = QUICK_CONFIGURATIONS if quick else CONFIGURATIONS
