@@ -51,7 +51,8 @@ class BenchConfiguration:
         return devices_per_node if self.replica_per_node else None
 
     def unavailable_reason(self) -> Optional[str]:
-        """Why this installation cannot train the configuration, or ``None``. Imports nothing heavy."""
+        """Why this installation cannot train the configuration, or ``None``. Imports no DeepSpeed; torch only to ask
+        gloo for MiCS, where DeepSpeed has it."""
         if self.driver == "deepspeed" and self.replica_per_node:
             if not mics_available():
                 return MICS_MISSING
