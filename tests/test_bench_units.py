@@ -160,3 +160,11 @@ def test_the_tcp_window_a_link_needs_covers_its_queue_and_delay_both_ways():
     assert testbed.LinkShape("2gbit").round_trip_bytes == 50_000_000  # 250 MB/s x 2 x 100 ms of queue
     assert testbed.LinkShape("2gbit", latency="5ms").round_trip_bytes == 52_500_000
     assert testbed.LinkShape("50mbit").round_trip_bytes == 1_250_000  # below Linux's usual maximum: left as it is
+
+
+def test_prediction_gives_the_planners_link_bound_time_beside_the_measured_one():
+    summary = {"cross_node_bytes_per_rank_step": 1.1e6, "link_bound_step_s": 0.5}
+    # 1e6 bytes per rank, 2 ranks per node: one direction of a 25 MB/s (200 Mbit/s) link carries 2e6 bytes: 0.08 s.
+    results.add_prediction(summary, 1e6, "model", devices_per_node=2, link_bytes_per_s=25e6)
+    assert summary["measured_over_predicted"] == pytest.approx(1.1)
+    assert summary["predicted_link_bound_step_s"] == pytest.approx(0.08)

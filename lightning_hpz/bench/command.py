@@ -183,7 +183,8 @@ def build_results(
             continue
         tokens_per_step = 2 * devices * workload.tokens_per_rank_step
         summary = res.summarize_run(configuration.name, rounds, tokens_per_step, args.shape.bits_per_second / 8)
-        res.add_prediction(summary, *predicted_cross_node_bytes(configuration, parameters, devices))
+        predicted = predicted_cross_node_bytes(configuration, parameters, devices)
+        res.add_prediction(summary, *predicted, devices, args.shape.bits_per_second / 8)
         summaries[configuration.name] = summary
         if "deepspeed_config" in rounds[0][0]:
             configs_used[configuration.name] = rounds[0][0]["deepspeed_config"]
@@ -244,7 +245,9 @@ def _notes(args: argparse.Namespace) -> list[str]:
         "Cross-node bytes are the transmit counters of both veth ends over the measured steps (warm-up excluded), "
         f"so they include TCP/IP headers and ACKs (MTU {args.shape.mtu}); per rank = link bytes / world size.",
         "Predictions for the PyTorch peers use the ZeRO setup with the same traffic: FSDP2 full shard = ZeRO-3, "
-        "FSDP2 reshard to a node = hpZ, DDP = stage 0 (one all-reduce); gloo reduce-scatters as all-reduces.",
+        "FSDP2 reshard to a node = hpZ, DDP = stage 0 (one all-reduce); gloo reduce-scatters as all-reduces. "
+        "FSDP2 HSDP and MiCS: ZeRO-3 sharded within a node, the gradient shard all-reduced across nodes "
+        "(ZeroSetup(3, shard_size=devices per node)).",
         "On CPU the hpz_sync modes do the same work: a CPU copy completes before it returns, so there is nothing "
         "to order (the modes differ on GPUs).",
         "link-bound s: the seconds per step the busier direction of the link needs for its bytes at the nominal "

@@ -1,6 +1,7 @@
-"""One rank of a benchmark configuration whose training loop is written by hand: a raw DeepSpeed engine, FSDP2, DDP.
+"""One rank of a benchmark configuration whose training loop is written by hand: a raw DeepSpeed engine (ZeRO-3, hpZ or
+MiCS), FSDP2 (full shard, reshard to a node, or hybrid sharding), DDP.
 
-The loop is the same for all three (forward returns the loss, backward, optimizer step); only the wrapping differs.
+The loop is the same for all of them (forward returns the loss, backward, optimizer step); only the wrapping differs.
 The DeepSpeed engine gets exactly the config :class:`~lightning_hpz.HpzStrategy` would build for the same
 configuration and no copy ordering (lightning_hpz wraps DeepSpeed only while an ``HpzStrategy`` is set up), so its step
 time is what the strategy's should match. Process groups are created and destroyed here directly (that is the point
@@ -10,6 +11,7 @@ of a hand-written loop); every collective still goes through :mod:`lightning_hpz
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,9 +21,15 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_hpz import collectives
-from lightning_hpz.bench.configurations import BenchConfiguration
+from lightning_hpz.bench.configurations import MICS_MISSING, BenchConfiguration
 from lightning_hpz.bench.recording import StepRecorder
 from lightning_hpz.bench.workload import Workload, build_model, rank_loader, token_set
+
+
+def mics_section(devices_per_node: int) -> dict[str, Any]:
+    """MiCS's keys of the ZeRO section: a replica per node. The hierarchical gather is for groups spanning nodes
+    (DeepSpeed asserts 'sharding spans on single node, no need for hierarchy allgather' otherwise)."""
+    return {"mics_shard_size": devices_per_node, "mics_hierarchical_params_gather": False}
 
 
 def strategy_deepspeed_config(configuration: BenchConfiguration, workload: Workload, devices: int) -> dict[str, Any]:
@@ -58,9 +66,14 @@ def run_deepspeed(spec: dict[str, Any], configuration: BenchConfiguration, workl
 
     if get_accelerator().device_name() != "cpu":
         raise RuntimeError("the benchmark trains on CPU; set DS_ACCELERATOR=cpu for the raw DeepSpeed engine.")
-    config = strategy_deepspeed_config(configuration, workload, spec["devices_per_node"])
+    devices = spec["devices_per_node"]
+    config = strategy_deepspeed_config(configuration, workload, devices)
     deepspeed.init_distributed(dist_backend="gloo")
-    model = build_model(workload)
+    if configuration.replica_per_node:
+        config["zero_optimization"].update(mics_section(devices))
+        model = _mics_model(workload, config, devices)
+    else:
+        model = build_model(workload)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -78,6 +91,20 @@ def run_deepspeed(spec: dict[str, Any], configuration: BenchConfiguration, workl
     _train(step, spec, workload, deepspeed_config=config)
 
 
+def _mics_model(workload: Workload, config: dict[str, Any], devices_per_node: int) -> nn.Module:
+    """The model built under ``deepspeed.zero.MiCS_Init``, as DeepSpeed requires for MiCS (``zero.Init`` leaves the
+    parameters without the MiCS groups and ``MiCS_Optimizer`` refuses them)."""
+    import deepspeed
+
+    if not hasattr(deepspeed.zero, "MiCS_Init"):
+        raise RuntimeError(f"deepspeed {deepspeed.__version__} has no zero.MiCS_Init: {MICS_MISSING}.")
+    # MiCS reads the devices per node from NDEV_PER_NODE, else the accelerator's device count (on the CPU accelerator
+    # LOCAL_SIZE or the NUMA nodes), and needs it only for the hierarchical gather; set it to the testbed's anyway.
+    os.environ.setdefault("NDEV_PER_NODE", str(devices_per_node))
+    with deepspeed.zero.MiCS_Init(config_dict_or_path=config):
+        return build_model(workload)
+
+
 def _sharded_units(model: nn.Module) -> list[nn.Module]:
     # Every parameter lives in a child unit: FSDP2 never reshards the root's own parameters after forward.
     return [model.embed, model.position, *model.blocks, model.head]
@@ -88,8 +115,13 @@ def run_fsdp2(spec: dict[str, Any], configuration: BenchConfiguration, workload:
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    reshard: bool | int = spec["devices_per_node"] if configuration.hpz else True
+    devices = spec["devices_per_node"]
+    if configuration.replica_per_node:  # HSDP: mesh dim 0 replicates, dim 1 shards (fully_shard's 2-D mesh)
+        shape = (dist.get_world_size() // devices, devices)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    reshard: bool | int = devices if configuration.hpz else True
     model = build_model(workload)
     for unit in _sharded_units(model):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)

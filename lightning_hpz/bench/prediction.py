@@ -1,6 +1,7 @@
 """The communication model's prediction for a benchmark configuration (``lightning_hpz.planning.communication``).
 
-The PyTorch peers are predicted by the ZeRO setup with the same traffic pattern (see
+The PyTorch peers are predicted by the ZeRO setup with the same traffic pattern; FSDP2 HSDP and DeepSpeed MiCS as
+ZeRO-3 sharded within a node and replicated across nodes (``ZeroSetup(3, shard_size=<devices per node>)``; see
 :class:`~lightning_hpz.bench.configurations.BenchConfiguration`). The model is imported only when asked for, so the
 benchmark still measures where it is missing; the prediction is then ``None`` with the reason.
 """
@@ -26,7 +27,9 @@ def predicted_cross_node_bytes(
     except ImportError as err:
         return None, f"no prediction: the communication model is not importable ({err})"
     setup = ZeroSetup(
-        stage=configuration.zero_stage, hpz_partition_size=configuration.hpz_partition_size(devices_per_node)
+        stage=configuration.zero_stage,
+        hpz_partition_size=configuration.hpz_partition_size(devices_per_node),
+        shard_size=configuration.shard_size(devices_per_node),
     )
     options: dict[str, Any] = {"param_bytes": FP32_BYTES, "grad_bytes": FP32_BYTES, "regather_in_backward": True}
     if "gradient_reduction" in inspect.signature(traffic_per_step).parameters:

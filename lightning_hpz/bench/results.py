@@ -69,11 +69,22 @@ def _max_difference(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-def add_prediction(summary: dict[str, Any], predicted: Optional[float], source: str) -> None:
+def add_prediction(
+    summary: dict[str, Any],
+    predicted: Optional[float],
+    source: str,
+    devices_per_node: Optional[int] = None,
+    link_bytes_per_s: Optional[float] = None,
+) -> None:
+    """The planner's bytes beside the measured ones; with the layout and link rate also the planner's link-bound
+    seconds (``lightning-hpz plan``'s cross-node time: a node's bytes over its link, each direction carrying one
+    node's), beside the measured ``link_bound_step_s``."""
     summary["predicted_cross_node_bytes_per_rank_step"] = predicted
     summary["prediction_source"] = source
     measured = summary["cross_node_bytes_per_rank_step"]
     summary["measured_over_predicted"] = measured / predicted if predicted else None
+    if predicted is not None and devices_per_node and link_bytes_per_s:
+        summary["predicted_link_bound_step_s"] = predicted * devices_per_node / link_bytes_per_s
 
 
 def loss_agreement(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -123,9 +134,9 @@ def markdown_table(results: dict[str, Any]) -> str:
         f"{results['title']}; {results['rounds']} round(s) x {results['steps'] - results['warmup']} measured steps "
         f"per configuration (after {results['warmup']} warm-up steps).",
         "",
-        "| configuration | step s (median) | IQR s | link-bound s | tokens/s | cross-node MB/step | per rank MB | "
-        "predicted MB | meas/pred | final loss | loss agrees |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | step s (median) | IQR s | link-bound s | predicted link-bound s | tokens/s | "
+        "cross-node MB/step | per rank MB | predicted MB | meas/pred | final loss | loss agrees |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     agreement = results["loss_agreement"]["configurations"]
     for name, summary in results["configurations"].items():
@@ -142,6 +153,7 @@ def _table_cells(name: str, s: dict[str, Any], agreement: dict[str, Any]) -> lis
         f"{s['step_time_median_s']:.3f}",
         f"{q1:.3f}-{q3:.3f}",
         _number(s.get("link_bound_step_s"), "{:.3f}"),
+        _number(s.get("predicted_link_bound_step_s"), "{:.3f}"),
         f"{s['tokens_per_s']:.0f}",
         f"{s['cross_node_bytes_per_step'] / 1e6:.2f}",
         f"{s['cross_node_bytes_per_rank_step'] / 1e6:.3f}",

@@ -1,4 +1,5 @@
-"""``lightning-hpz plan``: predicted communication and memory per rank for each ZeRO stage, hpZ and ZeRO++."""
+"""``lightning-hpz plan``: predicted communication and memory per rank for each ZeRO stage, hpZ, ZeRO++, FSDP2 HSDP
+and DeepSpeed MiCS."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class PlanRow:
 
 
 def plan_rows(devices_per_node: int) -> list[PlanRow]:
-    """The configurations the table compares; hpZ shards the secondary copy over one node."""
+    """The configurations the table compares; hpZ shards the secondary copy over one node, FSDP2 HSDP and MiCS the
+    model states (a replica per node; MiCS's hierarchical gather applies only to groups spanning nodes)."""
     hpz = devices_per_node
     return [
         PlanRow("DDP", ZeroSetup(0)),
@@ -35,6 +37,8 @@ def plan_rows(devices_per_node: int) -> list[PlanRow]:
         PlanRow("ZeRO-3", ZeroSetup(3)),
         PlanRow(f"ZeRO-3 + hpZ({hpz})", ZeroSetup(3, hpz)),
         PlanRow(f"ZeRO++ (hpZ({hpz}) + qwZ + qgZ)", ZeroSetup(3, hpz, True, True)),
+        PlanRow(f"FSDP2 HSDP (shard {hpz})", ZeroSetup(3, shard_size=hpz)),
+        PlanRow(f"MiCS (mics_shard_size={hpz})", ZeroSetup(3, shard_size=hpz)),
     ]
 
 
@@ -64,8 +68,8 @@ def plan_table(args: argparse.Namespace, param_count: int) -> str:
     header = ["configuration", "cross-node GB/rank", "intra-node GB/rank", "comm s/step", "memory GiB/rank"]
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for row in plan_rows(args.devices_per_node):
-        if row.zero.hpz_partition_size > 1 and args.nodes == 1:
-            continue  # on one node hpZ is plain ZeRO-3
+        if args.nodes == 1 and (row.zero.hpz_partition_size > 1 or row.zero.shard_size is not None):
+            continue  # on one node hpZ, HSDP and MiCS are plain ZeRO-3
         traffic = traffic_per_step(
             param_count,
             row.zero,
@@ -94,7 +98,8 @@ def parse_plan_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="lightning-hpz plan",
         description="Predict bytes sent per rank per step (across / within nodes), communication time and memory "
-        "per rank (model states) for DDP, ZeRO-1/2/3, hpZ and ZeRO++. Model: lightning_hpz/planning/communication.py.",
+        "per rank (model states) for DDP, ZeRO-1/2/3, hpZ, ZeRO++, FSDP2 HSDP and DeepSpeed MiCS. "
+        "Model: lightning_hpz/planning/communication.py.",
     )
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=float, help="parameter count, e.g. 7e9")

@@ -1,4 +1,5 @@
-"""Memory per rank of the model states under ZeRO stages 0-3 and hpZ (activations and temporaries not included)."""
+"""Memory per rank of the model states under ZeRO stages 0-3, hpZ and sharding within a group (FSDP2 HSDP, MiCS);
+activations and temporaries not included."""
 
 from __future__ import annotations
 
@@ -47,19 +48,21 @@ def memory_per_rank(
     keeps the fp32 master copy in fp32 training too). Stage 1 shards the optimizer states over the world, stage 2
     also the gradients, stage 3 also the parameters; hpZ adds a secondary copy of the parameters sharded over
     ``hpz_partition_size`` ranks (in ``param_bytes``), which exists from a module's forward to the end of the step.
+    With ``zero.shard_size`` (FSDP2 HSDP, DeepSpeed MiCS) stage 3 shards all three over that many ranks instead of the
+    world: each group of ``shard_size`` ranks holds a whole replica.
     ``reduce_bucket_elements``: DeepSpeed's ``reduce_bucket_size``; ZeRO-3 allocates one bucket of that many gradient
     elements at start-up and keeps it (Lightning's DeepSpeedStrategy defaults to 2e8: 381 MiB in bf16). Pass the
     elements that really occupy memory: on a GPU the whole bucket, on a CPU only the pages written (at most the model).
     """
-    world = layout.world_size
+    shards = layout.world_size if zero.shard_size is None else zero.shard_size
     params, grads = param_count * param_bytes, param_count * grad_bytes
     optimizer = param_count * optimizer_bytes_per_param
-    gradients = grads / world if zero.stage >= 2 else grads
+    gradients = grads / shards if zero.stage >= 2 else grads
     secondary = params / zero.hpz_partition_size if zero.stage == 3 and zero.hpz_partition_size > 1 else 0.0
     return MemoryEstimate(
-        parameters=params / world if zero.stage == 3 else params,
+        parameters=params / shards if zero.stage == 3 else params,
         gradients=gradients,
-        optimizer_states=optimizer / world if zero.stage >= 1 else optimizer,
+        optimizer_states=optimizer / shards if zero.stage >= 1 else optimizer,
         secondary_shards=secondary,
         reduce_buckets=reduce_bucket_elements * grad_bytes if zero.stage == 3 else 0.0,
         # ZeRO-3 keeps its gradient partitions in a persistent flat buffer; stages 0-2 drop gradients after the step.
