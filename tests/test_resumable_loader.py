@@ -1,11 +1,14 @@
 """Where a resumed epoch starts, on one process: by index for a map-style loader (no skipped example read), modulo the
-loader's length when Lightning cycled a shorter loader, by reading again for a stream."""
+loader's length when Lightning cycled a shorter loader, at its saved position for a Stateful stream (each rank its
+own), by reading again for any other stream, which ``exact_resume`` refuses."""
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from lightning_hpz.exact_resume.data_order import DataOrderError
 from lightning_hpz.exact_resume.resumable_loader import ResumableLoader
+from lightning_hpz.exact_resume.stream_position import gather_rank_positions
 
 
 class CountingReads(Dataset):
@@ -64,3 +67,111 @@ def test_a_resume_whose_position_falls_between_batches_says_what_is_trained_agai
     resumable = ResumableLoader(DataLoader(CountingReads(60), batch_size=2), lambda: 0, world_size=3)
     with pytest.warns(UserWarning, match="continues after 1 batches per rank, so 1 rank-batches"):
         resumable.load_state_dict({"batches_consumed": 2, "world_size": 2})
+
+
+class PositionedStream(IterableDataset):
+    """A Stateful stream: ``state_dict`` is the position after the examples yielded, ``load_state_dict`` the start of
+    the next pass."""
+
+    def __init__(self, size: int = 10) -> None:
+        self.size, self.position, self._start, self.reads = size, 0, 0, 0
+
+    def __iter__(self):
+        start, self._start = self._start, 0
+        for index in range(start, self.size):
+            self.position, self.reads = index + 1, self.reads + 1
+            yield torch.tensor(index)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._start = state["position"]
+
+
+def _trained(resumable: ResumableLoader, batches: int) -> list:
+    """Train ``batches`` batches as Lightning does for a loader without a length: one batch fetched ahead."""
+    iterator = iter(resumable)
+    fetched = [next(iterator).tolist()]
+    trained = []
+    for _ in range(batches):
+        trained.append(fetched.pop(0))
+        fetched.append(next(iterator).tolist())
+    return trained
+
+
+def test_a_stateful_stream_resumes_at_its_position_after_the_last_trained_batch_not_the_prefetched_one():
+    consumed = [0]
+    interrupted = ResumableLoader(DataLoader(PositionedStream(), batch_size=3), lambda: consumed[0], exact=True)
+    assert _trained(interrupted, 2) == [[0, 1, 2], [3, 4, 5]]  # and [6, 7, 8] fetched ahead, untrained
+    consumed[0] = 2
+    state = interrupted.state_dict()
+    assert state["position"] == {"position": 6}
+
+    stream = PositionedStream()
+    resumed = ResumableLoader(DataLoader(stream, batch_size=3), lambda: 0, exact=True)
+    resumed.load_state_dict(state)  # under exact_resume: no refusal, the stream can be positioned
+    assert [batch.tolist() for batch in resumed] == [[6, 7, 8], [9]]
+    assert stream.reads == 4  # nothing read again
+
+
+def test_each_rank_takes_its_own_gathered_position():
+    positions = [{"position": 6}, {"position": 7}]  # after 2 batches of 3 on each rank, reading unequal streams
+    states = [{"batches_consumed": 2, "world_size": 2, "position": position} for position in positions]
+    checkpoints = [{"loops": {"fit_loop": {"state_dict": {"combined_loader": [state]}}}} for state in states]
+    for checkpoint in checkpoints:  # what all_gather_object returns on every rank: each rank's list of positions
+        gather_rank_positions(checkpoint, lambda own: [[position] for position in positions])
+    for rank, checkpoint in enumerate(checkpoints):
+        (saved,) = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+        assert saved["positions"] == [{"position": 6}, {"position": 7}]
+        resumed = ResumableLoader(DataLoader(PositionedStream(), batch_size=3), lambda: 0, world_size=2, rank=rank)
+        resumed.load_state_dict(saved)
+        assert next(iter(resumed)).tolist() == [6 + rank, 7 + rank, 8 + rank]
+
+
+def test_a_stateful_loader_is_positioned_by_itself_and_not_skipped_again():
+    class PositionedLoader:  # a loader that positions itself, as torchdata's StatefulDataLoader does
+        def __init__(self) -> None:
+            self.stream = PositionedStream()
+
+        def __iter__(self):
+            return iter(DataLoader(self.stream, batch_size=3))
+
+        def state_dict(self) -> dict:
+            return {"loader": self.stream.state_dict()}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.stream.load_state_dict(state["loader"])
+
+    consumed = [0]
+    interrupted = ResumableLoader(PositionedLoader(), lambda: consumed[0])
+    _trained(interrupted, 1)
+    consumed[0] = 1
+    resumed = ResumableLoader(PositionedLoader(), lambda: 0)
+    resumed.load_state_dict(interrupted.state_dict())
+    assert [batch.tolist() for batch in resumed] == [[3, 4, 5], [6, 7, 8], [9]]
+
+
+def test_an_epoch_end_position_starts_the_next_pass_at_the_beginning():
+    resumed = ResumableLoader(DataLoader(PositionedStream(), batch_size=3), lambda: 0, exact=True)
+    resumed.load_state_dict({"batches_consumed": 0, "position": {"position": 10}})
+    assert next(iter(resumed)).tolist() == [0, 1, 2]
+
+
+def test_exact_resume_refuses_a_stream_that_cannot_be_positioned_and_names_the_fixes():
+    resumable = ResumableLoader(DataLoader(Stream(), batch_size=3), lambda: 0, exact=True)
+    with pytest.raises(DataOrderError, match=r"(?s)Stream cannot be positioned.*load_state_dict.*exact_resume=False"):
+        resumable.load_state_dict({"batches_consumed": 2})
+    resumable.load_state_dict({"batches_consumed": 0})  # an epoch's start needs no position
+
+
+def test_a_stateful_stream_read_by_workers_is_refused_naming_the_stateful_loader():
+    resumable = ResumableLoader(DataLoader(PositionedStream(), batch_size=3, num_workers=2), lambda: 0, exact=True)
+    with pytest.raises(DataOrderError, match=r"read by 2 worker processes.*StatefulDataLoader"):
+        resumable.load_state_dict({"batches_consumed": 1})
+
+
+def test_a_stateful_stream_without_a_saved_position_is_refused_naming_why():
+    resumable = ResumableLoader(DataLoader(PositionedStream(), batch_size=3), lambda: 0, exact=True)
+    with pytest.raises(DataOrderError, match="holds no position of the training stream"):
+        resumable.load_state_dict({"batches_consumed": 1})  # a checkpoint from before positions were saved

@@ -4,7 +4,7 @@ import copy
 
 import lightning as L
 import pytest
-from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset, RandomIterableDataset
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from lightning_hpz.exact_resume.data_order import DataOrderError, check_resumed_order, order_record, saved_order
@@ -114,6 +114,12 @@ class Reversed(Sampler):
 def test_custom_sampler_without_set_epoch_warns():
     with pytest.warns(UserWarning, match=r"Reversed.*cannot be checked"):
         check_resumed_order({}, DataLoader(RandomDataset(4, 16), sampler=Reversed(16)), exact=True)
+
+
+def test_a_stream_has_no_sampler_order_to_check(recwarn):
+    # its order is its own; whether it can be put back at its position is ResumableLoader's check
+    check_resumed_order({}, DataLoader(RandomIterableDataset(4, 16)), exact=True)
+    assert not [w for w in recwarn if "resume" in str(w.message).lower()]
 
 
 def test_order_record_is_read_back_from_the_loop_state():

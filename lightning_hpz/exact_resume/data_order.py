@@ -14,7 +14,7 @@ from typing import Any, Optional
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 
 class DataOrderError(RuntimeError):
@@ -42,6 +42,8 @@ def order_record(loader: Any) -> dict[str, Any]:
 
 def order_problems(saved: Optional[dict[str, Any]], loader: Any) -> tuple[list[str], list[str]]:
     """(reasons the order will differ, reasons it cannot be verified) for resuming ``loader`` after ``saved``."""
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):
+        return [], []  # a stream decides its own order; whether it can be positioned is checked by ResumableLoader
     sampler = order_sampler(loader)
     if isinstance(sampler, DistributedSamplerWrapper):
         sampler = sampler.dataset._sampler  # the user's own sampler, which Lightning shards

@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_hpz import partitioning
+from lightning_hpz import collectives, partitioning
 from lightning_hpz.autotune import resume_path
 from lightning_hpz.checkpointing import commit, compatibility, resume, writer_lock
 from lightning_hpz.checkpointing.errors import CheckpointRefusedError, CheckpointStorageError
@@ -27,7 +26,8 @@ from lightning_hpz.checkpointing.preemption_retention import (
     is_preemption_checkpoint,
     retire_older_preemption_checkpoints,
 )
-from lightning_hpz.exact_resume import data_order, epoch_end_checkpoint, random_layers
+from lightning_hpz.exact_resume import data_order, epoch_end_checkpoint, random_layers, stream_position
+from lightning_hpz.exact_resume.resumable_batches import ResumableBatches
 from lightning_hpz.exact_resume.resumable_loader import ResumableLoader
 from lightning_hpz.lifecycle import rank_failure
 from lightning_hpz.lifecycle.op_build_launcher import OpsBuiltFirstLauncher
@@ -39,6 +39,7 @@ from lightning_hpz.strategy.hpz_setup import HpzSetup
 from lightning_hpz.strategy.inference_config import inference_config
 
 log = logging.getLogger(__name__)
+_RESUMABLE = (ResumableBatches, ResumableLoader)
 
 
 class HpzStrategy(HpzSetup, DeepSpeedStrategy):
@@ -53,10 +54,12 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
             the next optimizer step and exit with code 75, resumable (adds a
             :class:`~lightning_hpz.callbacks.PreemptionCheckpoint` unless the Trainer has one). Default True.
         exact_resume: make a resume from a mid-epoch checkpoint continue with the very batches the interrupted run
-            would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader), and refuse a resume
-            whose data order cannot repeat (``DataOrderError``) or that changes the number of ranks. False: both are
-            warned about, and a resume on another number of ranks continues at the same global sample position.
-            Default True.
+            would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader; a ``Stateful``
+            ``IterableDataset`` or loader is put back at its position, each rank at its own), and refuse a resume
+            whose data order cannot repeat (``DataOrderError``), that would have to read a stream without a position
+            again to reach a mid-epoch one (``DataOrderError``), or that changes the number of ranks. False: all are
+            warned about, such a stream is read again up to the position, and a resume on another number of ranks
+            continues at the same global sample position. Default True.
         failure_grace_period: when the Trainer raises on a rank, that rank aborts its process groups and every rank
             runs its own ``except`` code; ranks of the launching node that neither reached their own error handling
             nor exited this many seconds later are taken as blocked in a collective and killed. Default 30.
@@ -133,7 +136,9 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or isinstance(dataloader, _Stateful):
+        # the package's own batches resume by position already, with the same state on every rank; a user's Stateful
+        # loader is wrapped, so that its position is taken after the last trained batch on each rank (stream_position)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or isinstance(dataloader, _RESUMABLE):
             return dataloader
         if trainer.training:
             # Lightning creates the iterator before it sets the epoch being resumed (`_FitLoop.setup_data`, then
@@ -143,7 +148,13 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         # wrapped under either setting: a checkpoint holds the wrapper's state, which Lightning refuses to load into a
         # loader without one (so exact_resume could not be switched off for a resume on another number of ranks)
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        return ResumableLoader(dataloader, lambda: progress.current.processed, world_size=self.world_size)
+        return ResumableLoader(
+            dataloader,
+            lambda: progress.current.processed,
+            world_size=self.world_size,
+            rank=self.global_rank,
+            exact=self.exact_resume,
+        )
 
     def _check_resumed_data_order(self, dataloader: Any) -> None:
         if self._resumed_data_order is not None:
@@ -206,6 +217,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
         filepath = self.broadcast(filepath)
+        stream_position.gather_rank_positions(checkpoint, collectives.all_gather_object)  # each rank's own stream
         run = compatibility.describe_run(self, checkpoint.get("global_step"), checkpoint.get("epoch"))
         started = time.monotonic()
         with commit.committed_save(Path(filepath), run) as staging:  # visible at `filepath` once complete
