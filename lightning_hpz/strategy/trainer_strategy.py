@@ -94,19 +94,16 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     # ----------------------------------------------------------------------------------------------- environment
     @override
     def setup_distributed(self) -> None:
-        if not self.on_cpu:
+        if self.on_cpu:
+            from lightning.fabric.utilities.seed import reset_seed
+
+            reset_seed()  # Lightning's own also validates device indices, which a CPU device does not have
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+        else:
             super().setup_distributed()
-            self._choose_checkpoint_resumed_by_name()
-            return
-        from lightning.fabric.utilities.seed import reset_seed
-
-        reset_seed()  # Lightning's own also validates device indices, which a CPU device does not have
-        self.set_world_ranks()
-        self._init_deepspeed_distributed()
-        self._choose_checkpoint_resumed_by_name()
-
-    def _choose_checkpoint_resumed_by_name(self) -> None:
-        # The first moment the ranks can agree: before the autotuner reads the checkpoint and before it is loaded.
+        # The first moment the ranks can agree on a checkpoint resumed by name: before the autotuner reads it and
+        # before it is loaded (checkpointing/resume_by_name.py).
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             resume_by_name.choose(self.lightning_module.trainer)
 
