@@ -104,10 +104,12 @@ def test_last_after_a_commit_killed_between_its_two_renames(module_tmp):
     shutil.copytree(root, rolled_back)
     shard = next((staging_path(rolled_back / "checkpoints" / "last.ckpt") / "checkpoint").glob("*optim_states.pt"))
     os.truncate(shard, shard.stat().st_size // 2)
-    for folder, step in ((root, 4), (rolled_back, 2)):
+    # torchrun-style ranks, then Lightning's own launcher (rank 0 starts rank 1 inside the entry point)
+    for folder, step, ranks in ((root, 4, 2), (rolled_back, 2, None)):
         job = {"max_steps": 6, "ckpt_path": "last"}
         options = {"root": str(folder), "renames": True, "jobs": [job]}
-        run = run_script("resume_by_name.py", options, module_tmp / f"resume-{folder.name}", timeout=300, ranks=2)
+        out = module_tmp / f"resume-{folder.name}"
+        run = run_script("resume_by_name.py", options, out, timeout=300, ranks=ranks)
         assert_succeeded(run, ranks=2)
         for rank, record in run.ranks.items():
             (resumed,) = record["jobs"]

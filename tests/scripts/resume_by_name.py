@@ -1,7 +1,8 @@
 """Fits that resume by name (``ckpt_path="hpc"``, ``"last"``, SLURM's auto-resume) from a run's preemption checkpoints
 and ``last.ckpt``, one after the other in the same processes.
 
-Run as ``python resume_by_name.py '<json options>'`` (under torchrun, or as SLURM tasks). ``options["jobs"]``: each
+Run as ``python resume_by_name.py '<json options>'`` (Lightning's launcher starts the other rank), under torchrun,
+or as SLURM tasks. ``options["jobs"]``: each
 ``{"max_steps", "ckpt_path", "preempt_at": [steps], "fault_point", "fault_step"}``. Preemption checkpoints are saved
 as ``PreemptionCheckpoint`` saves them (``<root>/hpc_ckpt_<N>.ckpt``, which retires the older ones) at the steps in
 ``preempt_at``, without a signal so that the processes go on to the next job. ``ModelCheckpoint`` saves only
@@ -69,7 +70,13 @@ def fit(job: dict, options: dict) -> dict:
     trainer.fit(ToyRegressor(), DataLoader(RegressionData(), batch_size=8), ckpt_path=job.get("ckpt_path"))
     folders = {name: sorted(p.name for p in (root / name).iterdir()) for name in (".", "checkpoints")}
     resumed = str(trainer.ckpt_path) if trainer.ckpt_path else None
-    return {"start_step": record.start_step, "end_step": trainer.global_step, "resumed": resumed, "folders": folders}
+    return {
+        "rank": trainer.global_rank,
+        "start_step": record.start_step,
+        "end_step": trainer.global_step,
+        "resumed": resumed,
+        "folders": folders,
+    }
 
 
 def main(options: dict) -> None:
@@ -78,8 +85,7 @@ def main(options: dict) -> None:
     if options.get("renames"):
         commit.atomic_exchange = lambda first, second: False  # a file system that cannot exchange (NFS, Lustre)
     records = [fit(job, options) for job in options["jobs"]]
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-    (out / f"rank{rank}.json").write_text(json.dumps({"jobs": records}))
+    (out / f"rank{records[-1]['rank']}.json").write_text(json.dumps({"jobs": records}))
 
 
 if __name__ == "__main__":
