@@ -134,3 +134,14 @@ def repair_interrupted_commit(final: Path) -> str:
         return "rolled forward to the complete staged copy"
     replaced.rename(final)
     return "rolled back to the previous copy"
+
+
+def repair_interrupted_commits_in(folder: Path) -> dict[Path, str]:
+    """Repair every commit in ``folder`` that a crash left between its two renames (a copy moved aside in staging):
+    what a resume by name runs before it looks for ``last.ckpt``. One process (rank 0); each repair, by path."""
+    staging = Path(folder) / STAGING_FOLDER
+    if not staging.is_dir():
+        return {}
+    finals = [Path(folder) / p.name[: -len(REPLACED_SUFFIX)] for p in sorted(staging.glob("*" + REPLACED_SUFFIX))]
+    done = {final: repair_interrupted_commit(final) for final in finals}
+    return {final: what for final, what in done.items() if what}

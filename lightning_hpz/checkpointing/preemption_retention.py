@@ -1,9 +1,10 @@
 """Preemption checkpoints must not pile up (a 70B checkpoint is about a terabyte).
 
-Lightning's SLURM auto-resume (and ``ckpt_path="hpc"``) takes ``hpc_ckpt_<N>`` with the largest N. After a preemption
-checkpoint is committed, the older ones (by global step) are retired: renamed ``preempted-step=<S>.ckpt``, which
-auto-resume does not look at, and of those only the newest ``keep`` are kept. Only a preemption checkpoint retires
-others: auto-resume looks at these names alone, so the newest of them must stay.
+Lightning's SLURM auto-resume starts when an ``hpc_ckpt_<N>`` is there (and, by itself, takes the largest N; the
+package then takes the newest committed checkpoint of the run, ``resume_choice.py``). After a preemption checkpoint is
+committed, the older ones (by global step) are retired: renamed ``preempted-step=<S>.ckpt``, outside Lightning's
+numbering, and of those only the newest ``keep`` are kept. Only a preemption checkpoint retires others: the newest of
+them must stay for auto-resume to start.
 """
 
 from __future__ import annotations

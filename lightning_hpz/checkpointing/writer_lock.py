@@ -59,11 +59,19 @@ def _gone(holder: dict[str, Any], me: dict[str, Any]) -> bool:
     return False
 
 
+def held_by_another_job(folder: Path) -> Optional[dict[str, Any]]:
+    """The claim of another job that may still be writing ``folder`` (one that is not this job, nor gone), or None."""
+    holder, me = _read(Path(folder) / LOCK_NAME), this_job()
+    if holder is not None and not _same_writer(holder, me) and not _gone(holder, me):
+        return holder
+    return None
+
+
 def claim(folder: Path) -> Path:
     """Claim ``folder`` for this job (rank 0 only); raises :class:`CheckpointStorageError` if another job holds it."""
     lock, me = Path(folder) / LOCK_NAME, this_job()
-    holder = _read(lock)
-    if holder is not None and not _same_writer(holder, me) and not _gone(holder, me):
+    holder = held_by_another_job(folder)
+    if holder is not None:
         job = f"job {holder['job']}" if holder.get("job") else "another job"
         raise CheckpointStorageError(
             f"Checkpoint folder {folder} is being written by {job} (host {holder.get('host')}, process "

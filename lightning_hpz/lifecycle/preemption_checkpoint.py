@@ -32,8 +32,9 @@ class PreemptionCheckpoint(Callback):
 
     ``HpzStrategy`` adds this callback unless told not to (``handle_preemption=False``); it works with any strategy.
 
-    A new preemption checkpoint retires the older ones (renamed ``preempted-step=<S>.ckpt``, which auto-resume
-    ignores) and keeps the newest ``keep`` of those.
+    A new preemption checkpoint retires the older ones (renamed ``preempted-step=<S>.ckpt``, outside Lightning's
+    ``hpc_ckpt_<N>`` numbering) and keeps the newest ``keep`` of those. Under ``HpzStrategy`` a resume by name takes
+    the newest committed checkpoint of the run, a ``last.ckpt`` saved after the preemption included.
 
     Args:
         signals: the signal names that mean "preempted". Default SIGTERM and SIGUSR1.

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_hpz import collectives, partitioning
 from lightning_hpz.autotune import resume_path
-from lightning_hpz.checkpointing import commit, compatibility, resume, writer_lock
+from lightning_hpz.checkpointing import commit, compatibility, resume, resume_by_name, writer_lock
 from lightning_hpz.checkpointing.errors import CheckpointRefusedError, CheckpointStorageError
 from lightning_hpz.checkpointing.preemption_retention import (
     DEFAULT_KEEP,
@@ -30,13 +30,13 @@ from lightning_hpz.exact_resume import data_order, epoch_end_checkpoint, random_
 from lightning_hpz.exact_resume.resumable_batches import ResumableBatches
 from lightning_hpz.exact_resume.resumable_loader import ResumableLoader
 from lightning_hpz.lifecycle import rank_failure
-from lightning_hpz.lifecycle.op_build_launcher import OpsBuiltFirstLauncher
 from lightning_hpz.lifecycle.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz.lifecycle.run_exit import CoordinatedExit
 from lightning_hpz.lifecycle.save_deadline import SaveDeadline
 from lightning_hpz.models.computed_buffers import recompute_buffers_in_float32
 from lightning_hpz.strategy.hpz_setup import HpzSetup
 from lightning_hpz.strategy.inference_config import inference_config
+from lightning_hpz.strategy.trainer_launcher import TrainerLauncher
 
 log = logging.getLogger(__name__)
 _RESUMABLE = (ResumableBatches, ResumableLoader)
@@ -87,23 +87,29 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        # Build the ops DeepSpeed JIT-compiles once, visibly, before the other ranks start (op_build_launcher).
-        if self.needs_deepspeed_ops and type(self._launcher) is _SubprocessScriptLauncher:
-            self._launcher = OpsBuiltFirstLauncher(
+        # Build the ops DeepSpeed JIT-compiles once, visibly, before the other ranks start (op_build_launcher); choose
+        # a checkpoint resumed by name once every rank has started (resume_by_name). Lightning's launcher runs every
+        # entry point, also in processes started externally (torchrun, srun), where it starts no other rank.
+        if type(self._launcher) is _SubprocessScriptLauncher:
+            self._launcher = TrainerLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes, prepare_ops=self.prepare_deepspeed_ops
             )
 
     # ----------------------------------------------------------------------------------------------- environment
     @override
     def setup_distributed(self) -> None:
-        if not self.on_cpu:
-            super().setup_distributed()
-            return
-        from lightning.fabric.utilities.seed import reset_seed
+        if self.on_cpu:
+            from lightning.fabric.utilities.seed import reset_seed
 
-        reset_seed()  # Lightning's own also validates device indices, which a CPU device does not have
-        self.set_world_ranks()
-        self._init_deepspeed_distributed()
+            reset_seed()  # Lightning's own also validates device indices, which a CPU device does not have
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+        else:
+            super().setup_distributed()
+        # The first moment the ranks can agree on a checkpoint resumed by name: before the autotuner reads it and
+        # before it is loaded (checkpointing/resume_by_name.py).
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            resume_by_name.choose(self.lightning_module.trainer)
 
     @override
     def _setup_model_and_optimizer(
@@ -193,7 +199,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     def _autotune_resume_path(self) -> Optional[Any]:
         if self.autotune_checkpoint is not None or self.lightning_module is None:
             return self.autotune_checkpoint
-        return resume_path.fit_resume_path(self.lightning_module.trainer)
+        return resume_by_name.chosen_path(resume_path.fit_resume_path(self.lightning_module.trainer))
 
     # ----------------------------------------------------------------------------------------------- secondaries
     @override
