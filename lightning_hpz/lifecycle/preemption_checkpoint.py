@@ -133,8 +133,8 @@ class PreemptionCheckpoint(Callback):
     # Every evaluation loop (the sanity check and validation inside fit included) agrees once when it starts and
     # then after every batch. A batch-end reduction is started at batch k and read at batch k+1, like the training
     # one: on gloo in host memory it overlaps the next batch, so an evaluation batch does not wait on it (a
-    # synchronous all-reduce per batch would add one network round trip to every batch). The
-    # decision lands one batch after the signal, at the same batch on every rank; the loop's end reads the last one.
+    # synchronous all-reduce per batch would add one network round trip to every batch). The decision lands one
+    # batch after the signal, at the same batch on every rank; the loop's end reads the last one.
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start_evaluation(trainer)
