@@ -125,10 +125,6 @@ class PreemptionSignals:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._record)
 
-    @property
-    def installed(self) -> bool:
-        return bool(self._previous)
-
     def uninstall(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)

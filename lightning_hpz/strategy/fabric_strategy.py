@@ -291,10 +291,10 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         """Whether SIGTERM or SIGUSR1 reached any rank since set-up, the same answer on every rank.
 
         One all-reduce of a flag on a host-side gloo group: call it on every rank at the same point of the loop
-        (after ``optimizer.step()``), then save and leave together, e.g. ``raise TrainingPreempted(
-        message, fabric, path)`` (exit 75) after ``fabric.save(path, state)``, or ``PreemptedWithoutCheckpoint(message,
-        fabric)`` (exit 143) with nothing to save. Until a loop first calls it, a signal ends the process as it did
-        before set-up (see lifecycle/polled_preemption.py).
+        (after ``optimizer.step()``), then save and leave together: ``fabric.save(path, state)``, then
+        ``raise TrainingPreempted(message, fabric, path)`` (exit 75), or ``raise PreemptedWithoutCheckpoint(message,
+        fabric)`` (exit 143) with nothing to save (both in ``lightning_hpz.lifecycle.run_exit``). Until a loop first
+        calls it, a signal ends the process as it did before set-up (see lifecycle/polled_preemption.py).
         """
         return self._preemption is not None and self._preemption.requested()
 
