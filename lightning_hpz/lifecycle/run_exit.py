@@ -28,6 +28,12 @@ PREEMPTED_EXIT_CODE = 75
 UNSTABLE_EXIT_CODE = 3
 # Training ran no optimizer step although steps were asked for (no batches, or a data set smaller than one batch).
 NOTHING_TRAINED_EXIT_CODE = 4
+# Preempted before this run had anything new to save: during set-up, checkpoint load, the sanity check, before the
+# first optimizer step, or in `validate`/`test`/`predict`. 128 + SIGTERM, the code a shell reports for a process that
+# SIGTERM ended, because the meaning is the same: the run stopped on a signal and left no checkpoint of its own (a
+# resume starts where the previous one did). A job script that requeues on 75 requeues on 143 too; the difference
+# tells whether the interrupted attempt advanced anything.
+PREEMPTED_NOTHING_SAVED_EXIT_CODE = 143
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -60,6 +66,15 @@ class TrainingPreempted(CoordinatedExit):
 
     def __init__(self, message: str, trainer: Any, checkpoint: str) -> None:
         super().__init__(message, trainer, PREEMPTED_EXIT_CODE, checkpoint)
+
+
+class PreemptedWithoutCheckpoint(CoordinatedExit):
+    """A preemption signal arrived before this run had trained anything new, or outside training (exit code 143)."""
+
+    status = "preempted"
+
+    def __init__(self, message: str, trainer: Any) -> None:
+        super().__init__(message, trainer, PREEMPTED_NOTHING_SAVED_EXIT_CODE)
 
 
 class TrainingStopped(CoordinatedExit):
@@ -105,6 +120,7 @@ class PreemptionSignals:
         # Python runs handlers in the main thread only, and refuses to install them from another one.
         if threading.current_thread() is not threading.main_thread() or self._previous:
             return
+        self.received = None  # a new window: a signal recorded in an earlier, finished run is not this run's
         for signum in self.signals:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._record)

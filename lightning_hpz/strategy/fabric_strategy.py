@@ -12,6 +12,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from typing_extensions import override
 
 from lightning_hpz import partitioning
+from lightning_hpz.lifecycle.polled_preemption import PolledPreemption
 from lightning_hpz.strategy import separate_optimizer_setup
 from lightning_hpz.strategy.accumulate_until_step import ACCUMULATE_UNTIL_STEP, AccumulateUntilStep
 from lightning_hpz.strategy.deferred_engine import DeferredEngine
@@ -50,6 +51,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     _waiting: tuple[DeferredEngine, ...] = ()  # set up alone, engine not built yet: one may get an optimizer
     _open_writes: tuple[Any, ...] = ()  # partitioning.OpenWrites, one per `fabric.init_module()`, until set-up
     _pending_clip: Optional[tuple[float, torch.Tensor]] = None  # (max_norm, the norm to fill) at the next step
+    _preemption: Optional[PolledPreemption] = None  # the signals recorded from setup_environment to teardown
 
     # Lightning's __init__ sets None ("DeepSpeed handles gradient accumulation internally"); here the loop owns it.
     @property
@@ -280,8 +282,27 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         super().save_checkpoint(path, state, *args, **kwargs)
 
     @override
+    def setup_environment(self) -> None:
+        self._preemption = PolledPreemption()
+        self._preemption.install()  # before the process group: a signal from here on is recorded, not fatal
+        super().setup_environment()
+
+    def preemption_requested(self) -> bool:
+        """Whether SIGTERM or SIGUSR1 reached any rank since set-up, the same answer on every rank.
+
+        One all-reduce of a flag on a host-side gloo group: call it on every rank at the same point of the loop
+        (after ``optimizer.step()``), then save and leave together: ``fabric.save(path, state)``, then
+        ``raise TrainingPreempted(message, fabric, path)`` (exit 75), or ``raise PreemptedWithoutCheckpoint(message,
+        fabric)`` (exit 143) with nothing to save (both in ``lightning_hpz.lifecycle.run_exit``). Until a loop first
+        calls it, a signal ends the process as it did before set-up (see lifecycle/polled_preemption.py).
+        """
+        return self._preemption is not None and self._preemption.requested()
+
+    @override
     def teardown(self) -> None:
         self._close_open_writes()
+        if self._preemption is not None:  # the handlers in place before set-up are back
+            self._preemption.uninstall()
         super().teardown()
 
     @override

@@ -50,8 +50,10 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     ``config``) and of Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, plus:
 
     Args:
-        handle_preemption: on SIGTERM or SIGUSR1 (what schedulers send before they preempt), commit a checkpoint at
-            the next optimizer step and exit with code 75, resumable (adds a
+        handle_preemption: on SIGTERM or SIGUSR1 (what schedulers send before they preempt), from strategy set-up to
+            teardown in ``fit``, ``validate``, ``test`` and ``predict``: commit a checkpoint at the next optimizer step
+            and exit with code 75, resumable; or, when this run has trained nothing to save (set-up, checkpoint load,
+            sanity check, evaluation-only runs), exit with code 143 without one (adds a
             :class:`~lightning_hpz.callbacks.PreemptionCheckpoint` unless the Trainer has one). Default True.
         exact_resume: make a resume from a mid-epoch checkpoint continue with the very batches the interrupted run
             would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader; a ``Stateful``
@@ -83,6 +85,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         self._resumed_data_order: Optional[dict[str, Any]] = None  # set by a checkpoint load, checked on the data
         self.handle_preemption = handle_preemption
         self._peer_watch: Optional[threading.Thread] = None  # after a failure: this node's other ranks, until teardown
+        self._preemption: Optional[PreemptionCheckpoint] = None  # holds the signal handlers from set-up to teardown
 
     @override
     def _configure_launcher(self) -> None:
@@ -96,6 +99,24 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
             )
 
     # ----------------------------------------------------------------------------------------------- environment
+    @override
+    def setup_environment(self) -> None:
+        # First thing in `Trainer._run`, before the process group, the checkpoint load and every loop: from here to
+        # teardown a preemption signal is only recorded, and the ranks agree on it at points all of them reach
+        # (PreemptionCheckpoint). Lightning's handler, which broadcasts inside the signal handler, is never installed.
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.handle_preemption and trainer is not None:
+            self._preemption = self._preemption_callback(trainer)
+            self._preemption.open_window(trainer)
+        super().setup_environment()
+
+    def _preemption_callback(self, trainer: Any) -> PreemptionCheckpoint:
+        callback = next((c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
+        if callback is None:
+            callback = PreemptionCheckpoint()
+            trainer.callbacks.append(callback)
+        return callback
+
     @override
     def setup_distributed(self) -> None:
         if self.on_cpu:
@@ -185,6 +206,9 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         try:
             super().teardown()
         finally:
+            preemption, self._preemption = self._preemption, None
+            if preemption is not None:  # the handlers in place before set-up are back
+                preemption.close_window()
             writer_lock.release_all()  # the checkpoint folders this run claimed are free for the next job
             watch, self._peer_watch = self._peer_watch, None
             if watch is not None:
@@ -278,8 +302,6 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        if self.handle_preemption and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
-            trainer.callbacks.append(PreemptionCheckpoint())
         super().setup(trainer)
         if self.zero_stage_3:
             partitioning.order_converted_parameters(self._hpz_module())  # converted by a zero.Init before setup
