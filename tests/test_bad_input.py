@@ -4,10 +4,12 @@ Nothing here launches a process: an error at `Trainer(...)` is raised before any
 """
 
 import json
+import re
 
 import lightning as L
 import pytest
 
+import lightning_hpz
 from lightning_hpz import HpzConfigurationError, HpzStrategy
 
 
@@ -101,3 +103,22 @@ def test_agreeing_values_in_both_places_are_accepted(tmp_path):
     strategy = HpzStrategy(stage=3, hpz_partition_size=2, config=str(path))
     _trainer(strategy)
     assert strategy.config["zero_optimization"]["zero_hpz_partition_size"] == 2
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"checkpoint": {"writer": {"decoupled": True}}}, "checkpoint.writer.decoupled=True"),
+        ({"datastates_ckpt": {}}, "datastates_ckpt enables DataStates"),
+    ],
+)
+@pytest.mark.parametrize("strategy_class", [lightning_hpz.HpzStrategy, lightning_hpz.HpzFabricStrategy])
+def test_asynchronous_checkpoint_writers_are_refused(strategy_class, config, message):
+    # the commit (checksums, manifest, replacing the previous copy) runs when the save returns: the files must be done
+    with pytest.raises(HpzConfigurationError, match=re.escape(message)):
+        strategy_class(config=config)
+
+
+def test_the_synchronous_fast_writer_is_accepted():
+    strategy = lightning_hpz.HpzStrategy(config={"checkpoint": {"writer": {"decoupled": False}}})
+    assert strategy.config["checkpoint"]["writer"]["decoupled"] is False

@@ -252,6 +252,26 @@ def validate_activation_checkpointing(config: dict[str, Any]) -> None:
         )
 
 
+def validate_checkpoint_writer(config: dict[str, Any]) -> None:
+    """Refuse DeepSpeed's asynchronous checkpoint writers: the package commits a checkpoint (checksums, manifest,
+    rename over the previous one) when the save returns, and with these the files are still being written then, so
+    the commit would certify incomplete files and delete the last complete checkpoint."""
+    writer = (config.get("checkpoint") or {}).get("writer") or {}
+    if writer.get("decoupled"):
+        raise HpzConfigurationError(
+            "checkpoint.writer.decoupled=True makes DeepSpeed write checkpoints in the background, after the save "
+            "returns; lightning_hpz commits a checkpoint (checksums, manifest, replacing the previous one) when the "
+            "save returns, so it would certify files still being written. Set checkpoint.writer.decoupled=False "
+            "(the fast writer still writes in parallel) or remove checkpoint.writer."
+        )
+    if config.get("datastates_ckpt", False) is not False:
+        raise HpzConfigurationError(
+            "datastates_ckpt enables DataStates' asynchronous checkpoint engine, which returns before the files are "
+            "written; lightning_hpz commits a checkpoint when the save returns and would certify incomplete files. "
+            "Remove datastates_ckpt from the DeepSpeed config."
+        )
+
+
 def zero_section(settings: ZeroPlusPlusSettings, partition_size: int) -> dict[str, Any]:
     """The ``zero_optimization`` keys this package owns."""
     section: dict[str, Any] = {"stage": settings.stage}

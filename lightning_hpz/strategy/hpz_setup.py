@@ -104,6 +104,7 @@ class HpzSetup(LayoutChecks, DeepSpeedEnvironment, SecondaryVerification, Autotu
         super().__init__(stage=self.zero_settings.stage, config=None, **kwargs)
         self.config = cfg.merge_configs(self.config, user_config)
         cfg.validate_activation_checkpointing(self.config)
+        cfg.validate_checkpoint_writer(self.config)
         self.hpz_sync = hpz_sync
         self.emulate_async_copy = (
             partitioning.emulation_requested() if emulate_async_copy is None else emulate_async_copy
