@@ -9,6 +9,8 @@ checkpoints. Weights resumed on the new world size are compared with the consoli
 import math
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -216,3 +218,18 @@ def test_resize_under_exact_resume_is_refused(moved_down):
     assert errors[0]["error_type"] == "CheckpointMismatchError"
     assert "it was written on 4 ranks and this run has 2" in errors[0]["error"]
     assert "HpzStrategy(exact_resume=False)" in errors[0]["error"]
+
+
+def test_convert_command_writes_the_copy_into_a_cache_folder(written, tmp_path):
+    # ahead of a resize, for a checkpoint the run must not (or cannot) write into
+    _, ckpts, _ = written
+    command = [sys.executable, "-m", "lightning_hpz.cli", "checkpoint", "convert", str(ckpts / "step=2.ckpt")]
+    command += ["--cache", str(tmp_path / "cache")]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "LIGHTNING_HPZ_UNIVERSAL_CACHE=" in first.stdout
+    (copy,) = (tmp_path / "cache").iterdir()
+    assert (copy / "latest").read_text() == "checkpoint" and (copy / "checkpoint" / "zero").is_dir()
+    assert not (ckpts / "step=2.ckpt" / "universal").exists()  # the checkpoint itself is left as it was
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "already converted" in again.stdout

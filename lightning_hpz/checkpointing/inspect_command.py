@@ -26,7 +26,17 @@ def checkpoint_main(argv: Sequence[str]) -> None:
     inspect = commands.add_parser("inspect", help="stage, world size, step, manifest status and sizes")
     inspect.add_argument("checkpoint_dir", help="a .ckpt directory written by ModelCheckpoint under HpzStrategy")
     inspect.add_argument("--no-checksums", action="store_true", help="compare file sizes only (fast on large runs)")
+    convert = commands.add_parser(
+        "convert", help="write the universal-format copy a resume on another number of ranks needs, ahead of the run"
+    )
+    convert.add_argument("checkpoint_dir", help="a .ckpt directory written by ModelCheckpoint under HpzStrategy")
+    convert.add_argument("--cache", help="write the copy here (a folder every rank sees), not inside the checkpoint")
     args = parser.parse_args(list(argv))
+    if args.command == "convert":
+        from lightning_hpz.checkpointing.convert_command import convert_checkpoint
+
+        print(convert_checkpoint(Path(args.checkpoint_dir), Path(args.cache) if args.cache else None))
+        return
     lines, intact = inspect_checkpoint(Path(args.checkpoint_dir), checksums=not args.no_checksums)
     print("\n".join(lines))
     if intact is None:  # nothing to verify against: a script must not take it for a verified checkpoint

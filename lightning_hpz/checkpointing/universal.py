@@ -5,8 +5,10 @@ world size. ``deepspeed.checkpoint.ds_to_universal`` merges the shards into one 
 (``fp32``, ``exp_avg``, ``exp_avg_sq``), which any world size then re-shards on load. Weights, optimizer moments and
 step counters move exactly; the order of the data does not when the global batch changes (see ``DATA_ORDER_WARNING``).
 
-The converted copy lives in ``<ckpt>/universal`` (``latest_universal`` -> ``checkpoint``): written by rank 0 into
-``universal.partial`` and renamed when complete, so an interrupted conversion is redone, a finished one reused.
+The converted copy lives in ``<ckpt>/universal`` (or, for a checkpoint that cannot be written, in the cache folder of
+:mod:`~lightning_hpz.checkpointing.universal_location`): written by rank 0 into ``universal.partial`` and renamed when
+complete, so an interrupted conversion is redone, a finished one reused. The other ranks wait for it in the job's
+key-value store, not in a collective: a 70B checkpoint converts for longer than the process group's timeout.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from lightning_hpz import collectives
 from lightning_hpz.checkpointing.errors import CheckpointMismatchError
 from lightning_hpz.checkpointing.manifest import DEEPSPEED_TAG, UNIVERSAL_DIR
+from lightning_hpz.checkpointing.universal_location import universal_location
 
 DATA_ORDER_WARNING = (
     "Resuming a checkpoint written on {saved} ranks on {current} ranks: weights, optimizer moments and step counters "
@@ -29,16 +34,23 @@ DATA_ORDER_WARNING = (
 )
 
 
+CONVERSION_WAIT = timedelta(hours=24)  # how long the other ranks wait for rank 0's conversion
+_ASKED = itertools.count()
+
+
 def universal_copy(checkpoint_dir: Path) -> Path:
     """The universal-format copy of ``checkpoint_dir`` (converted now on rank 0 if absent), the same on all ranks."""
-    target = Path(checkpoint_dir) / UNIVERSAL_DIR
     failure = ""
-    if collectives.rank() == 0 and not target.is_dir():
+    try:
+        target = universal_location(Path(checkpoint_dir))
+    except PermissionError as error:  # read-only and no cache folder: the same on every rank
+        target, failure = Path(checkpoint_dir) / UNIVERSAL_DIR, str(error)
+    if collectives.rank() == 0 and not failure and not target.is_dir():
         try:
             convert_to_universal(Path(checkpoint_dir), target)
         except Exception as error:  # reported identically on every rank below, instead of hanging the others
             failure = f"{type(error).__name__}: {error}"
-    failure = collectives.broadcast_object(failure, src=0)
+    failure = _outcome_of_rank_zero(failure, target)
     if failure:
         raise CheckpointMismatchError(
             f"Could not convert {checkpoint_dir} to DeepSpeed's universal format to resume it on a different number "
@@ -47,7 +59,22 @@ def universal_copy(checkpoint_dir: Path) -> Path:
     return target
 
 
-def convert_to_universal(checkpoint_dir: Path, target: Path) -> None:
+def _outcome_of_rank_zero(failure: str, target: Path) -> str:
+    """Rank 0's outcome on every rank, waited for in the job's store (no process-group timeout applies there)."""
+    store = collectives.default_store()
+    if store is None or collectives.world_size() == 1:
+        return failure
+    # every rank asks once per resize, in the same order: the count names this one without a collective
+    key = f"lightning_hpz/universal/{target}/{next(_ASKED)}"
+    if collectives.rank() == 0:
+        store.set(key, failure or "ok")
+    else:
+        store.wait([key], CONVERSION_WAIT)
+    outcome = store.get(key).decode()
+    return "" if outcome == "ok" else outcome
+
+
+def convert_to_universal(checkpoint_dir: Path, target: Path, quiet: bool = True) -> None:
     from deepspeed.checkpoint import ds_to_universal
 
     partial = target.with_name(target.name + ".partial")
@@ -61,8 +88,10 @@ def convert_to_universal(checkpoint_dir: Path, target: Path) -> None:
         strict=True,
         inject_missing_state=True,  # Lightning's ZeRO-1/2 checkpoints lack the universal-info block
     )
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress prints
-        ds_to_universal.main(args)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    silenced = (contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()))
+    with silenced[0] if quiet else contextlib.nullcontext(), silenced[1] if quiet else contextlib.nullcontext():
+        ds_to_universal.main(args)  # its progress bars show when not quiet (the convert command)
     (partial / "latest").write_text(DEEPSPEED_TAG)  # Lightning checks for it before handing the path to DeepSpeed
     partial.rename(target)
 
