@@ -28,6 +28,9 @@ PREEMPTED_EXIT_CODE = 75
 UNSTABLE_EXIT_CODE = 3
 # Training ran no optimizer step although steps were asked for (no batches, or a data set smaller than one batch).
 NOTHING_TRAINED_EXIT_CODE = 4
+# A peer rank or the rendezvous store fell silent (a lost node or a cut link: lifecycle/peer_watchdog.py); sysexits.h
+# EX_PROTOCOL, "remote error". The last committed checkpoint is intact; resume from it once every node is back.
+PEER_LOST_EXIT_CODE = 76
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 

@@ -278,6 +278,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         engine_optimizer = getattr(self._deepspeed_engine, "optimizer", None)
         state = {key: engine_optimizer if self._is_engine_optimizer(value) else value for key, value in state.items()}
         super().save_checkpoint(path, state, *args, **kwargs)
+        self.committed_checkpoint = str(path)  # saved (not committed atomically under Fabric); named on a lost peer
 
     @override
     def teardown(self) -> None:

@@ -209,6 +209,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         started = time.monotonic()
         with commit.committed_save(Path(filepath), run) as staging:  # visible at `filepath` once complete
             super().save_checkpoint(checkpoint, staging, storage_options)
+        self.committed_checkpoint = str(filepath)  # named if a lost peer ends the run (peer_watchdog.py)
         if self.handle_preemption:
             self._save_deadline.observe(time.monotonic() - started)
         if self.global_rank == 0 and run["global_step"] is not None and is_preemption_checkpoint(Path(filepath)):
