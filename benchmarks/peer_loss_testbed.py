@@ -106,6 +106,7 @@ def run_fault(fault: str, out: Path, args: argparse.Namespace, port: int) -> dic
         try:
             wait_for_step(out, FAULT_AT_STEP, nodes, timeout=args.start_timeout)
             committed = rank_record(out, 0).get("committed")
+            slowed_steps = None
             started = time.monotonic()
             if fault == "kill":
                 os.killpg(nodes[1].pid, signal.SIGKILL)  # the node's ranks share its process group
@@ -115,7 +116,9 @@ def run_fault(fault: str, out: Path, args: argparse.Namespace, port: int) -> dic
                 survivors = {0: nodes[0], 1: nodes[1]}
             else:
                 testbed.change_bandwidth(SLOWED)
+                slowed_from = rank_record(out, 0).get("step")
                 time.sleep(args.slow_seconds)
+                slowed_steps = [slowed_from, rank_record(out, 0).get("step")]
                 testbed.change_bandwidth(BANDWIDTH)
                 survivors = {0: nodes[0], 1: nodes[1]}
             exits = wait_for_exits(survivors, started, timeout=args.exit_timeout + (args.slow_seconds * 4))
@@ -134,6 +137,7 @@ def run_fault(fault: str, out: Path, args: argparse.Namespace, port: int) -> dic
         "checkpoint_detail": detail,
         "slowest_heartbeat_s": {str(r): rank_record(out, r).get("slowest_heartbeat_s") for r in (0, 1)},
         "steps": {str(r): rank_record(out, r).get("step") for r in (0, 1)},
+        "slowed_between_steps": slowed_steps,
         "messages": {
             str(n): [line for line in log.splitlines() if "ends the run with exit code" in line]
             for n, log in logs.items()

@@ -159,3 +159,20 @@ def test_a_peer_beating_through_its_own_watchdog_keeps_both_alive():
     pair[1].stop()
     assert lost == []
     assert pair[1].slowest_round_trip < 0.6
+
+
+def test_after_a_failed_collective_live_peers_are_confirmed_and_silent_ones_declared():
+    store, lost = FakeStore(), []
+    pair = [_watchdog(store, lost, rank=0).start(), _watchdog(store, lost, rank=1).start()]
+    try:
+        started = time.monotonic()
+        assert pair[0].confirm_peers_alive()  # rank 1 beats: an ordinary error, handled as such
+        assert time.monotonic() - started < 0.6 and lost == []  # two beats of 0.1 s
+        pair[1]._stopping.set()  # rank 1's node is gone: no beat, no "left"
+        for thread in pair[1]._threads:
+            thread.join()
+        assert not pair[0].confirm_peers_alive()
+        assert lost and "node 0 (ranks 1) silent" in lost[0]
+    finally:
+        for watchdog in pair:
+            watchdog.stop()

@@ -36,6 +36,12 @@ rank's abort does not wake the ranks of other nodes. Design, with the reasons:
   A save in flight at that moment is abandoned in its staging folder: the commit is atomic
   (``checkpointing/commit.py``), so the previous committed checkpoint stays the newest and intact.
 
+- **A failed collective is explained before it is handled.** When a Trainer rank's collective raises (gloo's
+  "Connection closed by peer" when a node's ranks were killed and its kernel closed their connections), the strategy
+  first waits until every peer beats again (:meth:`PeerWatchdog.confirm_peers_alive`, about two intervals for live
+  peers) and only then runs the usual failure handling (``rank_failure.py``); peers that stay silent end the run
+  with 76 and their names instead of a traceback about a socket.
+
 Not covered: a rank that hangs while its process keeps beating (a deadlock inside one node) is alive by this test;
 the process-group timeout still ends that.
 """
@@ -94,6 +100,7 @@ class BeatBook:
     last_change: dict[int, float] = field(default_factory=dict)
     values: dict[int, Optional[str]] = field(default_factory=dict)
     left: set[int] = field(default_factory=set)
+    changes: dict[int, int] = field(default_factory=dict)  # how many times each peer's value was seen to change
     last_store_answer: float = 0.0
     slowest_round_trip: float = 0.0
 
@@ -102,6 +109,7 @@ class BeatBook:
         for peer in self.peers:
             self.last_change[peer] = self.started
             self.values[peer] = None
+            self.changes[peer] = 0
 
     @property
     def peers(self) -> list[int]:
@@ -119,6 +127,7 @@ class BeatBook:
             if value != self.values.get(peer):
                 self.values[peer] = value
                 self.last_change[peer] = now
+                self.changes[peer] = self.changes.get(peer, 0) + 1
 
     def excuse(self, stalled: float) -> None:
         """This process itself was stopped for ``stalled`` seconds: nobody else is to blame for that time."""
@@ -164,12 +173,14 @@ def describe_loss(
         )
         lost += ": lost, or the link to it is cut"
     saved = (
-        f"the last checkpoint this run committed is {checkpoint}" if checkpoint else "this run committed no checkpoint"
+        f"the last checkpoint this run committed is {checkpoint}: resume from it once every node is back"
+        if checkpoint
+        else "no checkpoint committed by this run"
     )
     return (
         f"lightning_hpz: rank {book.rank} (node {node_of(book.rank)}) ends the run with exit code "
         f"{PEER_LOST_EXIT_CODE}: {lost} (no heartbeat within peer_timeout={book.timeout:g} s). Not waiting for the "
-        f"process-group timeout; {saved}. Resume from it once every node is back."
+        f"process-group timeout; {saved}."
     )
 
 
@@ -263,6 +274,26 @@ class PeerWatchdog:
             # the beat thread may be inside one store call: it gives up after the call's timeout
             thread.join(timeout=self.call_timeout + 1.0)
         self._mark_left()
+
+    def confirm_peers_alive(self) -> bool:
+        """Wait until every peer has beaten since this call (or left): True. A peer that stays silent is declared
+        lost by the judge first (which, by default, ends the process); False only if that did not end it.
+
+        For a rank whose collective just failed: "connection closed by peer" from gloo may mean a crashed peer,
+        which is handled as any exception, or a node that is gone, which is a lost peer. A live peer is seen to beat
+        twice within about two intervals, so an ordinary error is delayed by that much at most.
+        """
+        with self._lock:
+            seen = dict(self.book.changes)
+        deadline = self.clock() + self.book.timeout + 2 * self.interval + self.call_timeout
+        while not self._stopping.is_set() and self.clock() < deadline and self.verdict is None:
+            with self._lock:
+                book = self.book
+                # two changes: the first may be a beat written before the failure and read only after it
+                if all(peer in book.left or book.changes[peer] >= seen[peer] + 2 for peer in book.peers):
+                    return True
+            self._stopping.wait(min(0.2, self.interval / 4))
+        return False
 
     # ------------------------------------------------------------------------------------------------ beat thread
     def _beat_loop(self) -> None:

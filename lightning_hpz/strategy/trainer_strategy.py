@@ -154,6 +154,9 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         super().on_exception(exception)
         if isinstance(exception, (CoordinatedExit, CheckpointRefusedError, CheckpointStorageError)):
             return  # every rank raises this itself, after the same collectives: nobody is blocked, each one reports
+        if self.peer_watchdog is not None and isinstance(exception, RuntimeError):
+            # a collective that failed because a node is gone: name the node (exit 76) rather than a closed socket
+            self.peer_watchdog.confirm_peers_alive()
         # Peers would wait for this rank in their next collective until the timeout: release them (rank_failure.py).
         # The children of Lightning's subprocess launcher (its `procs`) still stuck after the grace period are killed.
         children = self.launcher.procs if isinstance(self.launcher, _SubprocessScriptLauncher) else None
