@@ -10,8 +10,10 @@ every 3 steps) starts on the testbed (200 Mbit/s), trains past its first checkpo
 - ``slow``: the link drops to 1/100 of its rate (2 Mbit/s) for ``--slow-seconds``, then comes back; the job must
   finish normally.
 
-Prints a Markdown table (fault, seconds from the fault to each surviving rank's exit, exit codes, whether the last
-committed checkpoint verifies against its manifest) and writes ``results.json``. Needs root, ``ip`` and ``tc``.
+Prints a Markdown table (fault, seconds from the fault to each surviving node's exit, exit codes, whether the last
+committed checkpoint verifies against its manifest) and writes ``results.json``. A node is one ``python`` process
+started as a user starts one (``--devices`` ranks; Lightning's launcher starts the others, and the first carries the
+node's exit code): with ``--devices 1``, node n is rank n. Needs root, ``ip`` and ``tc``.
 """
 
 from __future__ import annotations
@@ -65,10 +67,10 @@ def rank_record(out: Path, rank: int) -> dict[str, Any]:
         return {}
 
 
-def wait_for_step(out: Path, step: int, nodes: list[subprocess.Popen], timeout: float) -> None:
+def wait_for_step(out: Path, step: int, nodes: list[subprocess.Popen], timeout: float, ranks: range) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if min(rank_record(out, rank).get("step", -1) for rank in (0, 1)) >= step:
+        if min(rank_record(out, rank).get("step", -1) for rank in ranks) >= step:
             return
         if any(node.poll() is not None for node in nodes):
             raise RuntimeError(f"a node exited before step {step}; see {out}/node*.log")
@@ -101,10 +103,12 @@ def checkpoint_verifies(path: Optional[str]) -> tuple[bool, str]:
 def run_fault(fault: str, out: Path, args: argparse.Namespace, port: int) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     options = {"peer_timeout": args.peer_timeout, "steps": args.slow_steps if fault == "slow" else 100000}
+    options["devices"] = args.devices
+    ranks = range(2 * args.devices)
     with TwoNodeTestbed(LinkShape(bandwidth=BANDWIDTH)) as testbed:
         nodes = launch(testbed, out, options, port)
         try:
-            wait_for_step(out, FAULT_AT_STEP, nodes, timeout=args.start_timeout)
+            wait_for_step(out, FAULT_AT_STEP, nodes, args.start_timeout, ranks)
             committed = rank_record(out, 0).get("committed")
             slowed_steps = None
             started = time.monotonic()
@@ -135,8 +139,8 @@ def run_fault(fault: str, out: Path, args: argparse.Namespace, port: int) -> dic
         "checkpoint": committed,
         "checkpoint_verifies": resumable,
         "checkpoint_detail": detail,
-        "slowest_heartbeat_s": {str(r): rank_record(out, r).get("slowest_heartbeat_s") for r in (0, 1)},
-        "steps": {str(r): rank_record(out, r).get("step") for r in (0, 1)},
+        "slowest_heartbeat_s": {str(r): rank_record(out, r).get("slowest_heartbeat_s") for r in ranks},
+        "steps": {str(r): rank_record(out, r).get("step") for r in ranks},
         "slowed_between_steps": slowed_steps,
         "messages": {
             str(n): [line for line in log.splitlines() if "ends the run with exit code" in line]
@@ -154,8 +158,8 @@ FAULT_NAMES = {
 
 def table(results: list[dict[str, Any]]) -> str:
     rows = [
-        "| fault | seconds to exit (rank: s) | exit codes (rank: code) | last committed checkpoint verifies |"
-        " slowest heartbeat (s) |",
+        "| fault | seconds to exit (node: s) | exit codes (node: code) | last committed checkpoint verifies |"
+        " slowest heartbeat (rank: s) |",
         "| --- | --- | --- | --- | --- |",
     ]
     for result in results:
@@ -173,6 +177,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--faults", nargs="+", choices=sorted(FAULT_NAMES), default=["kill", "cut", "slow"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--peer-timeout", type=float, default=45.0)
+    parser.add_argument("--devices", type=int, default=1, help="ranks per node")
     parser.add_argument("--slow-seconds", type=float, default=60.0, help="how long the link stays slowed")
     parser.add_argument("--slow-steps", type=int, default=40, help="steps of the slowed run (it must finish)")
     parser.add_argument("--start-timeout", type=float, default=300.0)

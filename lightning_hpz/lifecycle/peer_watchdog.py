@@ -330,6 +330,8 @@ class PeerWatchdog:
         return {peer: _text(client.get(key)) if client.check([key]) else None for peer, key in zip(peers, keys)}  # noqa: B905
 
     def _mark_left(self) -> None:
+        if any(thread.is_alive() for thread in self._threads):
+            return  # the beat thread is stuck in a call on the connection: the store is unreachable anyway
         try:
             self._connection().set(heartbeat_key(self.rank), LEFT)
         except Exception as err:  # the store is gone: peers will find out themselves
