@@ -176,3 +176,13 @@ def test_after_a_failed_collective_live_peers_are_confirmed_and_silent_ones_decl
     finally:
         for watchdog in pair:
             watchdog.stop()
+
+
+def test_both_strategies_take_the_settings_and_refuse_bad_ones_at_construction():
+    from lightning_hpz import HpzFabricStrategy, HpzStrategy
+
+    assert HpzStrategy().peer_timeout == peer_watchdog.DEFAULT_TIMEOUT_S
+    assert HpzFabricStrategy(peer_timeout=None).peer_timeout is None  # off
+    assert HpzStrategy(peer_timeout=90, heartbeat_interval=10).heartbeat_interval == 10
+    with pytest.raises(ValueError, match="three heartbeat intervals"):
+        HpzFabricStrategy(peer_timeout=10, heartbeat_interval=5)
