@@ -23,7 +23,8 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
     Takes every argument of :class:`~lightning_hpz.strategy.hpz_setup.HpzSetup` (``stage``, ``hpz_partition_size``,
     ``quantized_weights``, ``quantized_gradients``, ``hpz_sync``, ``emulate_async_copy``, ``verify_after_load``,
-    ``config``) and of Fabric's :class:`~lightning.fabric.strategies.DeepSpeedStrategy`, with the same defaults,
+    ``peer_timeout``, ``heartbeat_interval``, ``config``)
+    and of Fabric's :class:`~lightning.fabric.strategies.DeepSpeedStrategy`, with the same defaults,
     checks and messages as the Trainer's :class:`~lightning_hpz.HpzStrategy`.
 
     In a training loop, ``fabric.strategy.check_secondary_partitions()`` (between forward and backward, on every

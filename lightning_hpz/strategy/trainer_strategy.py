@@ -45,7 +45,8 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
 
     Takes every argument of :class:`~lightning_hpz.strategy.hpz_setup.HpzSetup` (``stage``, ``hpz_partition_size``,
     ``quantized_weights``, ``quantized_gradients``, ``hpz_sync``, ``emulate_async_copy``, ``verify_after_load``,
-    ``config``) and of Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, plus:
+    ``peer_timeout``, ``heartbeat_interval``, ``config``)
+    and of Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, plus:
 
     Args:
         handle_preemption: on SIGTERM or SIGUSR1 (what schedulers send before they preempt), commit a checkpoint at
