@@ -158,10 +158,13 @@ class TwoNodeTestbed:
             if int(high) < needed:
                 _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={low} {default} {needed}"])
 
-    def _shape_egress(self, ns: str, dev: str) -> None:
+    def _tbf(self, bandwidth: str) -> list[str]:
         # The token bucket must hold at least one full frame, and enough for the rate at the kernel's timer tick.
-        burst = max(4 * self.shape.mtu, int(self.shape.bits_per_second / 8 / 250))
-        tbf = ["tbf", "rate", self.shape.bandwidth, "burst", str(burst), "latency", f"{QUEUE_SECONDS * 1000:g}ms"]
+        burst = max(4 * self.shape.mtu, int(parse_rate(bandwidth) / 8 / 250))
+        return ["tbf", "rate", bandwidth, "burst", str(burst), "latency", f"{QUEUE_SECONDS * 1000:g}ms"]
+
+    def _shape_egress(self, ns: str, dev: str) -> None:
+        tbf = self._tbf(self.shape.bandwidth)
         if self.shape.delay_seconds == 0:
             _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
             return
@@ -174,6 +177,17 @@ class TwoNodeTestbed:
                 "Rerun with --latency 0 to limit the bandwidth only."
             ) from err
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", *tbf])
+
+    def change_bandwidth(self, bandwidth: str) -> None:
+        """Reshape the running link to ``bandwidth`` both ways (connections stay open; fault-injection tests)."""
+        for node in (0, 1):
+            parent = ["root"] if self.shape.delay_seconds == 0 else ["parent", "1:", "handle", "2:"]
+            ns, dev = self.namespace(node), self.interface(node)
+            _run(["tc", "-n", ns, "qdisc", "change", "dev", dev, *parent, *self._tbf(bandwidth)])
+
+    def set_link(self, up: bool) -> None:
+        """Cut the link between the nodes (``up=False``: node 1's end goes down) or restore it."""
+        _run(["ip", "-n", self.namespace(1), "link", "set", self.interface(1), "up" if up else "down"])
 
     def tx_bytes(self, node: int) -> int:
         """Bytes the node's veth end has sent to the other node so far."""

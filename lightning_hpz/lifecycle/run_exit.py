@@ -34,6 +34,9 @@ NOTHING_TRAINED_EXIT_CODE = 4
 # resume starts where the previous one did). A job script that requeues on 75 requeues on 143 too; the difference
 # tells whether the interrupted attempt advanced anything.
 PREEMPTED_NOTHING_SAVED_EXIT_CODE = 143
+# A peer rank or the rendezvous store fell silent (a lost node or a cut link: lifecycle/peer_watchdog.py); sysexits.h
+# EX_PROTOCOL, "remote error". The last committed checkpoint is intact; resume from it once every node is back.
+PEER_LOST_EXIT_CODE = 76
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 

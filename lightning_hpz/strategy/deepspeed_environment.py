@@ -8,20 +8,25 @@ does the real work here, over gloo, after DeepSpeed has been told to use its CPU
 from __future__ import annotations
 
 import argparse
+import logging
 import warnings
 from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_hpz import partitioning
+from lightning_hpz import collectives, partitioning
+from lightning_hpz.lifecycle import peer_watchdog
 from lightning_hpz.strategy.cuda_semantics import CudaEvaluationContext, cuda_semantics_requested
+
+log = logging.getLogger(__name__)
 
 
 class DeepSpeedEnvironment:
     """Mixin of :class:`~lightning_hpz.strategy.hpz_setup.HpzSetup`: set-up and teardown of the run's processes.
 
-    Reads ``config``, ``hpz_sync``, ``emulate_async_copy`` and ``hpz_partition_size``; sets ``copy_ordering``. The
+    Reads ``config``, ``hpz_sync``, ``emulate_async_copy``, ``hpz_partition_size``, ``peer_timeout`` and
+    ``heartbeat_interval``; sets ``copy_ordering`` and, from set-up to teardown, ``peer_watchdog``. The
     autotuner is started, applied and ended through the hooks of
     :class:`~lightning_hpz.strategy.autotune_wiring.AutotuneWiring`.
     """
@@ -30,6 +35,10 @@ class DeepSpeedEnvironment:
     # CUDA-only checks.
     _lightning_deepspeed_strategy: type
     copy_ordering: Optional[partitioning.CopyOrdering]
+    peer_timeout: Optional[float]
+    heartbeat_interval: float
+    peer_watchdog: Optional[peer_watchdog.PeerWatchdog]
+    committed_checkpoint: Optional[str]
     _cuda_evaluation: Optional[CudaEvaluationContext]
 
     @property
@@ -54,6 +63,7 @@ class DeepSpeedEnvironment:
             super(self._lightning_deepspeed_strategy, self).setup_environment()
         else:
             super().setup_environment()
+        self._start_peer_watchdog()
         self._start_autotune()
         if self.on_cpu and cuda_semantics_requested():
             self._cuda_evaluation = CudaEvaluationContext()
@@ -76,6 +86,29 @@ class DeepSpeedEnvironment:
             if self._cuda_evaluation is not None:
                 self._cuda_evaluation.uninstall()
             self._end_autotune()
+            self._stop_peer_watchdog()
+
+    def _start_peer_watchdog(self) -> None:
+        # The process group exists now; every rank reaches this within seconds of the others (its init is a barrier).
+        store = collectives.default_store()
+        if self.peer_timeout is None or store is None or collectives.world_size() <= 1 or self.peer_watchdog:
+            return
+        devices_per_node = max(1, self.num_processes)  # Lightning numbers ranks node by node
+        self.peer_watchdog = peer_watchdog.PeerWatchdog(
+            store,
+            rank=collectives.rank(),
+            world_size=collectives.world_size(),
+            node_of=lambda rank: rank // devices_per_node,
+            timeout=self.peer_timeout,
+            interval=self.heartbeat_interval,
+            checkpoint=lambda: self.committed_checkpoint,
+        ).start()
+
+    def _stop_peer_watchdog(self) -> None:
+        watchdog, self.peer_watchdog = self.peer_watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
+            log.debug("slowest heartbeat round trip of this run: %.2f s", watchdog.slowest_round_trip)
 
     def _init_deepspeed_distributed(self) -> None:
         super()._init_deepspeed_distributed()

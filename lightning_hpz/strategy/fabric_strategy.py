@@ -24,7 +24,8 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
     Takes every argument of :class:`~lightning_hpz.strategy.hpz_setup.HpzSetup` (``stage``, ``hpz_partition_size``,
     ``quantized_weights``, ``quantized_gradients``, ``hpz_sync``, ``emulate_async_copy``, ``verify_after_load``,
-    ``config``) and of Fabric's :class:`~lightning.fabric.strategies.DeepSpeedStrategy`, with the same defaults,
+    ``peer_timeout``, ``heartbeat_interval``, ``config``)
+    and of Fabric's :class:`~lightning.fabric.strategies.DeepSpeedStrategy`, with the same defaults,
     checks and messages as the Trainer's :class:`~lightning_hpz.HpzStrategy`.
 
     In a training loop, ``fabric.strategy.check_secondary_partitions()`` (between forward and backward, on every
@@ -280,6 +281,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         engine_optimizer = getattr(self._deepspeed_engine, "optimizer", None)
         state = {key: engine_optimizer if self._is_engine_optimizer(value) else value for key, value in state.items()}
         super().save_checkpoint(path, state, *args, **kwargs)
+        self.committed_checkpoint = str(path)  # saved (not committed atomically under Fabric); named on a lost peer
 
     @override
     def setup_environment(self) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from lightning_hpz import partitioning
 from lightning_hpz.autotune.memory_check import MemoryCheck
+from lightning_hpz.lifecycle import peer_watchdog
 from lightning_hpz.partitioning.ordering import SYNC_MODES
 from lightning_hpz.strategy import config as cfg
 from lightning_hpz.strategy.autotune_wiring import AutotuneWiring, build_autotuner
@@ -68,6 +69,13 @@ class HpzSetup(LayoutChecks, DeepSpeedEnvironment, SecondaryVerification, Autotu
         config: a DeepSpeed config dict or JSON path (default: the file named by ``PL_DEEPSPEED_CONFIG_PATH``, as in
             Lightning), merged over the strategy's defaults (nested sections key by key); a value given both here and
             as one of the arguments above must agree.
+        peer_timeout: seconds without a heartbeat from a peer rank (or without an answer from the rendezvous store)
+            after which this rank takes the peer's node as lost or the link to it as cut, prints which ranks on which
+            node, and exits with code 76 instead of waiting for the process-group timeout (30 min). Beats go through
+            the job's rendezvous store every ``heartbeat_interval`` seconds, beside training: a slow step, save or
+            link does not stop them (see :mod:`lightning_hpz.lifecycle.peer_watchdog`). ``None`` turns it off.
+            Default 45; at least three intervals.
+        heartbeat_interval: seconds between heartbeats. Default 5.
         preset_name: the registered name this strategy was built from (``"zeropp"``, ...), which Lightning's registry
             passes; used in messages only.
         **kwargs: every other argument of Lightning's ``DeepSpeedStrategy`` (offload, buckets, activation
@@ -87,11 +95,14 @@ class HpzSetup(LayoutChecks, DeepSpeedEnvironment, SecondaryVerification, Autotu
         autotune_memory_gib: Optional[float] = None,
         autotune_checkpoint: Union[str, Path, None] = None,
         config: Union[dict[str, Any], str, Path, None] = None,
+        peer_timeout: Optional[float] = peer_watchdog.DEFAULT_TIMEOUT_S,
+        heartbeat_interval: float = peer_watchdog.DEFAULT_INTERVAL_S,
         preset_name: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         if hpz_sync not in SYNC_MODES:
             raise cfg.HpzConfigurationError(f"hpz_sync={hpz_sync!r} is not a mode; choose one of {SYNC_MODES}.")
+        peer_watchdog.check_settings(peer_timeout, heartbeat_interval)
         user_config = cfg.load_user_config(*cfg.user_config_source(config))
         explicit = dict(
             stage=stage,
@@ -116,6 +127,10 @@ class HpzSetup(LayoutChecks, DeepSpeedEnvironment, SecondaryVerification, Autotu
         self.autotune_checkpoint = autotune_checkpoint
         self.hpz_partition_size: Optional[int] = None  # resolved once the cluster layout is known
         self.preset_name = preset_name
+        self.peer_timeout = peer_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.peer_watchdog: Optional[peer_watchdog.PeerWatchdog] = None  # from set-up to teardown
+        self.committed_checkpoint: Optional[str] = None  # the last checkpoint this run committed (named on a loss)
         self.copy_ordering: Optional[partitioning.CopyOrdering] = None
         self._cuda_evaluation = None  # Lightning's CUDA evaluation branch, emulated on CPU when asked for
         self._verify_at_next_step = False

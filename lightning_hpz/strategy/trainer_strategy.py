@@ -47,7 +47,8 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
 
     Takes every argument of :class:`~lightning_hpz.strategy.hpz_setup.HpzSetup` (``stage``, ``hpz_partition_size``,
     ``quantized_weights``, ``quantized_gradients``, ``hpz_sync``, ``emulate_async_copy``, ``verify_after_load``,
-    ``config``) and of Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, plus:
+    ``peer_timeout``, ``heartbeat_interval``, ``config``)
+    and of Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, plus:
 
     Args:
         handle_preemption: on SIGTERM or SIGUSR1 (what schedulers send before they preempt), from strategy set-up to
@@ -193,6 +194,9 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         super().on_exception(exception)
         if isinstance(exception, (CoordinatedExit, CheckpointRefusedError, CheckpointStorageError)):
             return  # every rank raises this itself, after the same collectives: nobody is blocked, each one reports
+        if self.peer_watchdog is not None and isinstance(exception, RuntimeError):
+            # a collective that failed because a node is gone: name the node (exit 76) rather than a closed socket
+            self.peer_watchdog.confirm_peers_alive()
         # Peers would wait for this rank in their next collective until the timeout: release them (rank_failure.py).
         # The children of Lightning's subprocess launcher (its `procs`) still stuck after the grace period are killed.
         children = self.launcher.procs if isinstance(self.launcher, _SubprocessScriptLauncher) else None
@@ -252,6 +256,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         started = time.monotonic()
         with commit.committed_save(Path(filepath), run) as staging:  # visible at `filepath` once complete
             super().save_checkpoint(checkpoint, staging, storage_options)
+        self.committed_checkpoint = str(filepath)  # named if a lost peer ends the run (peer_watchdog.py)
         if self.handle_preemption:
             self._save_deadline.observe(time.monotonic() - started)
         if self.global_rank == 0 and run["global_step"] is not None and is_preemption_checkpoint(Path(filepath)):

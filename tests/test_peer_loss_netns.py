@@ -1,0 +1,59 @@
+"""A lost node, a cut link and a slowed link on the real two-node testbed (root, ``ip`` and ``tc`` needed).
+
+One launch per fault, through ``benchmarks/peer_loss_testbed.py`` (2 nodes x 1 CPU rank over gloo, ZeRO-3, a
+committed checkpoint every 3 steps, the fault after step 7): every surviving rank exits non-zero within 120 s naming
+the silent node or the unreachable store, and the last committed checkpoint verifies against its manifest; a link
+slowed 100-fold for longer than the timeout is not taken for a failure, and that run finishes with 0.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import netns_marks
+
+from lightning_hpz.lifecycle.run_exit import PEER_LOST_EXIT_CODE
+
+pytestmark = netns_marks()
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_loss_testbed.py"
+
+
+def _run(fault: str, out: Path) -> dict:
+    process = subprocess.run(
+        [sys.executable, str(SCRIPT), "--faults", fault, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    (result,) = json.loads((out / "results.json").read_text())
+    return result
+
+
+def test_every_rank_of_node_1_killed_ends_node_0_within_two_minutes_naming_node_1(tmp_path):
+    result = _run("kill", tmp_path)
+    exit_ = result["exits"]["0"]
+    assert exit_["code"] == PEER_LOST_EXIT_CODE and exit_["seconds"] < 120, result
+    assert any("node 1 (ranks 1)" in line for line in result["messages"]["0"]), result
+    assert result["checkpoint_verifies"], result["checkpoint_detail"]
+
+
+def test_a_cut_link_ends_both_sides_within_two_minutes_naming_the_other(tmp_path):
+    result = _run("cut", tmp_path)
+    for rank in ("0", "1"):
+        exit_ = result["exits"][rank]
+        assert exit_["code"] == PEER_LOST_EXIT_CODE and exit_["seconds"] < 120, result
+    assert any("node 1 (ranks 1)" in line for line in result["messages"]["0"]), result
+    assert any("rendezvous store at 10.77.0.1:" in line for line in result["messages"]["1"]), result
+    assert result["checkpoint_verifies"], result["checkpoint_detail"]
+
+
+def test_a_link_slowed_100_fold_past_the_timeout_is_not_a_failure(tmp_path):
+    result = _run("slow", tmp_path)
+    assert [result["exits"][rank]["code"] for rank in ("0", "1")] == [0, 0], result
+    assert result["messages"] == {"0": [], "1": []}
+    assert result["checkpoint_verifies"], result["checkpoint_detail"]
+    assert max(result["slowest_heartbeat_s"].values()) < 45 / 3, result  # a third of the default timeout at most

@@ -1,0 +1,188 @@
+"""The peer watchdog's decisions without a cluster: a fake store and a fake clock (lifecycle/peer_watchdog.py).
+
+A peer that stops beating is lost after the timeout, one that keeps beating never is however slow, a rank that left
+cleanly is not missed, an unreachable store is named, and this process's own stall is not blamed on its peers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from lightning_hpz.lifecycle import peer_watchdog
+from lightning_hpz.lifecycle.peer_watchdog import LEFT, BeatBook, PeerWatchdog, describe_loss, heartbeat_key
+from lightning_hpz.lifecycle.run_exit import PEER_LOST_EXIT_CODE
+
+
+def node_of(rank: int) -> int:
+    return rank // 2
+
+
+def test_a_peer_that_stops_beating_is_lost_after_the_timeout_and_named_with_its_node():
+    book = BeatBook(rank=0, world_size=4, timeout=45, started=0.0)
+    for now in range(5, 200, 5):
+        book.observe({1: f"b{now}", 2: f"b{min(now, 20)}", 3: f"b{min(now, 20)}"}, now, 0.1)  # node 1 stops at 20 s
+        message = describe_loss(book, float(now), node_of, "10.0.0.1:29500", "/ckpt/step=8.ckpt")
+        if message:
+            break
+    assert now == 70  # last change at 20 s, silent for over 45 s at the first look after 65 s
+    assert "node 1 (ranks 2, 3) silent for 50 s" in message
+    assert "rank 0 (node 0)" in message and f"exit code {PEER_LOST_EXIT_CODE}" in message
+    assert "/ckpt/step=8.ckpt" in message
+
+
+def test_a_slow_peer_that_keeps_beating_is_never_lost():
+    book = BeatBook(rank=1, world_size=2, timeout=45, started=0.0)
+    for now in range(30, 3000, 30):  # a beat seen only every 30 s (slow link, long step): still alive
+        book.observe({0: f"beat {now}"}, float(now), round_trip=25.0)
+        assert describe_loss(book, now + 14.0, node_of, "store", None) is None
+    assert book.slowest_round_trip == 25.0
+
+
+def test_a_rank_that_left_cleanly_is_not_missed():
+    book = BeatBook(rank=0, world_size=2, timeout=45, started=0.0)
+    book.observe({1: LEFT}, 5.0, 0.1)
+    book.observe({1: LEFT}, 490.0, 0.1)  # the store still answers; the peer's key still says it left
+    assert describe_loss(book, 500.0, node_of, "store", None) is None
+
+
+def test_a_peer_that_never_beats_is_lost_after_the_timeout_from_start():
+    book = BeatBook(rank=0, world_size=2, timeout=45, started=100.0)
+    book.observe({1: None}, 140.0, 0.1)
+    assert describe_loss(book, 144.0, node_of, "store", None) is None
+    book.observe({1: None}, 146.0, 0.1)
+    assert "node 0 (ranks 1)" in describe_loss(book, 146.0, node_of, "store", None)
+
+
+def test_an_unreachable_store_names_rank_0s_node_and_the_address():
+    book = BeatBook(rank=2, world_size=4, timeout=45, started=0.0)
+    book.observe({0: "a", 1: "a", 3: "a"}, 10.0, 0.1)
+    message = describe_loss(book, 56.0, node_of, "10.77.0.1:29500", None)
+    assert "rendezvous store at 10.77.0.1:29500" in message and "rank 0's node, node 0" in message
+    assert "no checkpoint committed" in message
+
+
+def test_this_processs_own_stall_is_excused():
+    book = BeatBook(rank=0, world_size=2, timeout=45, started=0.0)
+    book.observe({1: "a"}, 10.0, 0.1)
+    book.excuse(60.0)  # SIGSTOP for a minute: the peer could not be heard, through no fault of its own
+    assert describe_loss(book, 75.0, node_of, "store", None) is None
+
+
+@pytest.mark.parametrize(("timeout", "interval"), [(10, 5), (45, 0)])
+def test_settings_that_would_take_a_live_peer_for_lost_are_refused(timeout, interval):
+    with pytest.raises(ValueError, match=r"peer_timeout|heartbeat_interval"):
+        peer_watchdog.check_settings(timeout, interval)
+
+
+class FakeStore:
+    """The few TCPStore calls the watchdog makes, in memory; ``reachable=False`` makes every call fail."""
+
+    def __init__(self, data: dict | None = None) -> None:
+        self.data = data if data is not None else {}
+        self.reachable = True
+        self.timeouts = []
+
+    def clone(self):
+        self._raise_if_unreachable()
+        return FakeStore(self.data)  # a second connection to the same server
+
+    def set_timeout(self, timeout) -> None:
+        self.timeouts.append(timeout.total_seconds())
+
+    def set(self, key, value) -> None:
+        self._raise_if_unreachable()
+        self.data[key] = value.encode()
+
+    def check(self, keys) -> bool:
+        self._raise_if_unreachable()
+        return all(key in self.data for key in keys)
+
+    def get(self, key):
+        self._raise_if_unreachable()
+        return self.data[key]
+
+    def multi_get(self, keys):
+        return [self.get(key) for key in keys]
+
+    def _raise_if_unreachable(self) -> None:
+        if not FakeStore.everything_reachable:
+            raise RuntimeError("DistNetworkError: timed out")
+
+    everything_reachable = True
+
+
+def _watchdog(store: FakeStore, lost: list, rank: int = 0) -> PeerWatchdog:
+    return PeerWatchdog(store, rank, 2, node_of, timeout=0.6, interval=0.1, on_lost=lost.append)
+
+
+def test_threads_beat_detect_a_silent_peer_and_stop_cleanly():
+    store, lost = FakeStore(), []
+    watchdog = _watchdog(store, lost).start()
+    for _ in range(5):  # the peer beats for a while
+        store.data[heartbeat_key(1)] = str(time.monotonic()).encode()
+        time.sleep(0.1)
+    assert heartbeat_key(0) in store.data and not lost
+    deadline = time.monotonic() + 5
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    watchdog.stop()
+    assert lost and "node 0 (ranks 1) silent" in lost[0]
+    assert store.data[heartbeat_key(0)] == LEFT.encode()
+    assert not [t for t in threading.enumerate() if t.name.startswith("lightning-hpz-")]
+
+
+def test_threads_name_the_store_when_it_stops_answering():
+    store, lost = FakeStore(), []
+    store.data[heartbeat_key(1)] = b"x"
+    watchdog = _watchdog(store, lost).start()
+    try:
+        time.sleep(0.3)
+        FakeStore.everything_reachable = False
+        deadline = time.monotonic() + 5
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        FakeStore.everything_reachable = True
+        watchdog.stop()
+    assert lost and "rendezvous store" in lost[0]
+
+
+def test_a_peer_beating_through_its_own_watchdog_keeps_both_alive():
+    store, lost = FakeStore(), []
+    pair = [_watchdog(store, lost, rank=0).start(), _watchdog(store, lost, rank=1).start()]
+    time.sleep(1.5)  # over twice the timeout
+    pair[0].stop()
+    time.sleep(1.0)  # rank 0 left cleanly: rank 1 finishing later does not take it for lost
+    pair[1].stop()
+    assert lost == []
+    assert pair[1].slowest_round_trip < 0.6
+
+
+def test_after_a_failed_collective_live_peers_are_confirmed_and_silent_ones_declared():
+    store, lost = FakeStore(), []
+    pair = [_watchdog(store, lost, rank=0).start(), _watchdog(store, lost, rank=1).start()]
+    try:
+        started = time.monotonic()
+        assert pair[0].confirm_peers_alive()  # rank 1 beats: an ordinary error, handled as such
+        assert time.monotonic() - started < 0.6 and lost == []  # two beats of 0.1 s
+        pair[1]._stopping.set()  # rank 1's node is gone: no beat, no "left"
+        for thread in pair[1]._threads:
+            thread.join()
+        assert not pair[0].confirm_peers_alive()
+        assert lost and "node 0 (ranks 1) silent" in lost[0]
+    finally:
+        for watchdog in pair:
+            watchdog.stop()
+
+
+def test_both_strategies_take_the_settings_and_refuse_bad_ones_at_construction():
+    from lightning_hpz import HpzFabricStrategy, HpzStrategy
+
+    assert HpzStrategy().peer_timeout == peer_watchdog.DEFAULT_TIMEOUT_S
+    assert HpzFabricStrategy(peer_timeout=None).peer_timeout is None  # off
+    assert HpzStrategy(peer_timeout=90, heartbeat_interval=10).heartbeat_interval == 10
+    with pytest.raises(ValueError, match="three heartbeat intervals"):
+        HpzFabricStrategy(peer_timeout=10, heartbeat_interval=5)
