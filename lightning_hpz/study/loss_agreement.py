@@ -15,9 +15,10 @@ REFERENCE_ORDER = ("zero1", "zero2", "zero3")  # the first one present is the re
 
 
 def loss_curves(records: list[dict[str, Any]]) -> dict[tuple[str, int, str], dict[str, list[float]]]:
-    """Per (model, micro-batch, precision): each trained strategy's per-step losses (the global batch's)."""
+    """Per (model, micro-batch, precision), smallest model first: each trained strategy's per-step losses (the
+    global batch's)."""
     curves: dict[tuple[str, int, str], dict[str, list[float]]] = defaultdict(dict)
-    for r in records:
+    for r in sorted(records, key=lambda r: (r["micro_batch_size"], r["precision"], r["parameters"])):
         if r["status"] == "ok" and r.get("losses"):
             curves[(r["model"], r["micro_batch_size"], r["precision"])][r["strategy_label"]] = r["losses"]
     return dict(curves)
@@ -43,7 +44,7 @@ def agreement(records: list[dict[str, Any]], tolerance: float) -> list[dict[str,
     """One row per model size: the reference, each strategy's largest gap to it, whether every gap is within
     ``tolerance`` and whether every curve falls."""
     rows = []
-    for (model, micro_batch, precision), curves in sorted(loss_curves(records).items()):
+    for (model, micro_batch, precision), curves in loss_curves(records).items():
         reference = reference_strategy(list(curves))
         gaps = {name: largest_relative_gap(losses, curves[reference]) for name, losses in curves.items()}
         worst: Optional[float] = max((g for name, g in gaps.items() if name != reference), default=None)

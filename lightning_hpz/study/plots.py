@@ -137,7 +137,7 @@ def _loss_plot(curves: dict[tuple[str, int, str], dict[str, list[float]]], path:
     rows = math.ceil(len(curves) / columns)
     figure, axes = _figure(columns, rows=rows)
     panels = [axis for row in axes for axis in row]
-    for axis, ((model, micro_batch, precision), by_strategy) in zip(panels, sorted(curves.items()), strict=False):
+    for axis, ((model, micro_batch, precision), by_strategy) in zip(panels, curves.items(), strict=False):
         for (label, losses), (marker, dash) in zip(sorted(by_strategy.items()), _LINE_STYLES * 4, strict=False):
             steps = range(1, len(losses) + 1)
             axis.plot(steps, losses, marker=marker, linestyle=dash, markersize=4, label=label, alpha=0.8)
