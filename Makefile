@@ -14,7 +14,7 @@ quickstart: install
 # the test suite; pytest's own exit code (5 = no tests ran) fails the target. Real multi-process DeepSpeed tests run
 # either way; the longest launches (marker `slow`) only where CI is set, as on CI: `CI=true make test` runs everything.
 test: install
-	$(PYTHON) -m pytest tests $(if $(CI),,-m "not slow")
+	$(PYTHON) -m pytest tests $(if $(CI),,-m "not slow") --durations=25
 
 lint:
 	ruff check lightning_hpz tests benchmarks examples

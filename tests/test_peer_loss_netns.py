@@ -3,7 +3,7 @@
 One launch per fault, through ``benchmarks/peer_loss_testbed.py`` (2 nodes x 1 CPU rank over gloo, ZeRO-3, a
 committed checkpoint every 3 steps, the fault after step 7): every surviving rank exits non-zero within 120 s naming
 the silent node or the unreachable store, and the last committed checkpoint verifies against its manifest; a link
-slowed 100-fold for longer than the timeout is not taken for a failure, and that run finishes with 0.
+slowed 100-fold for longer than the timeout (15 s here) is not taken for a failure, and that run finishes with 0.
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ from lightning_hpz.lifecycle.run_exit import PEER_LOST_EXIT_CODE
 
 pytestmark = netns_marks()
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_loss_testbed.py"
+# a third of the default timeout keeps the suite short; the README's table is the benchmark's run at the default 45 s
+PEER_TIMEOUT = 15.0
+SHORTENED = ["--peer-timeout", str(PEER_TIMEOUT), "--slow-seconds", "25", "--slow-steps", "25"]
 
 
 def _run(fault: str, out: Path) -> dict:
     process = subprocess.run(
-        [sys.executable, str(SCRIPT), "--faults", fault, "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--faults", fault, "--out", str(out), *SHORTENED],
         capture_output=True,
         text=True,
         timeout=900,
@@ -56,4 +59,4 @@ def test_a_link_slowed_100_fold_past_the_timeout_is_not_a_failure(tmp_path):
     assert [result["exits"][rank]["code"] for rank in ("0", "1")] == [0, 0], result
     assert result["messages"] == {"0": [], "1": []}
     assert result["checkpoint_verifies"], result["checkpoint_detail"]
-    assert max(result["slowest_heartbeat_s"].values()) < 45 / 3, result  # a third of the default timeout at most
+    assert max(result["slowest_heartbeat_s"].values()) < PEER_TIMEOUT / 3, result  # far from the timeout

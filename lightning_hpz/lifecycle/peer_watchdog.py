@@ -137,6 +137,16 @@ class BeatBook:
             self.last_change[peer] += stalled
         self.last_store_answer += stalled
 
+    def credit_progress(self, at: Optional[float]) -> None:
+        """This rank completed work that needs every peer (a step's collectives) at ``at``: every peer and the link
+        were alive then, whatever the heartbeats say. A saturated slow link can starve the beats' connection (its
+        packets queue or drop behind the collectives' traffic) while training goes on."""
+        if at is None:
+            return
+        for peer in self.last_change:
+            self.last_change[peer] = max(self.last_change[peer], at)
+        self.last_store_answer = max(self.last_store_answer, at)
+
     def store_silent_for(self, now: float) -> float:
         return now - self.last_store_answer
 
@@ -250,6 +260,12 @@ class PeerWatchdog:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._identity = f"{node_of(rank)}:{socket.gethostname()}"
+        self._last_progress: Optional[float] = None
+
+    def note_progress(self) -> None:
+        """Called by the strategy after work that needed every rank (a training or evaluation step, an optimizer
+        step): evidence of life that counts like a beat from every peer (see ``BeatBook.credit_progress``)."""
+        self._last_progress = self.clock()
 
     @property
     def slowest_round_trip(self) -> float:
@@ -353,6 +369,7 @@ class PeerWatchdog:
         with self._lock:
             if late_by > self.book.timeout / 3:
                 self.book.excuse(late_by)
+            self.book.credit_progress(self._last_progress)
             verdict = describe_loss(self.book, now, self.node_of, self.address, self.checkpoint())
         if verdict is None or self._stopping.is_set():
             return False

@@ -104,6 +104,12 @@ class DeepSpeedEnvironment:
             checkpoint=lambda: self.committed_checkpoint,
         ).start()
 
+    def _note_progress(self) -> None:
+        """After work every rank took part in: the watchdog counts it as a beat from every peer (a slow link that
+        starves the heartbeats while training goes on is not a lost node)."""
+        if self.peer_watchdog is not None:
+            self.peer_watchdog.note_progress()
+
     def _stop_peer_watchdog(self) -> None:
         watchdog, self.peer_watchdog = self.peer_watchdog, None
         if watchdog is not None:

@@ -200,6 +200,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         self._verify_if_due()
         self._check_memory_if_due()
         super().backward(tensor, module, *args, **kwargs)
+        self._note_progress()
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -209,6 +210,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         if clip:
             partitioning.write_step_norm(self._deepspeed_engine, into=clip[1])
         self._note_optimizer_step()
+        self._note_progress()
         return output
 
     @override

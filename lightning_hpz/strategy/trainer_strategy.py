@@ -238,14 +238,34 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
+        self._note_progress()
         self._verify_if_due()
         self._check_memory_if_due()
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().validation_step(*args, **kwargs)
+        self._note_progress()
+        return output
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().test_step(*args, **kwargs)
+        self._note_progress()
+        return output
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().predict_step(*args, **kwargs)
+        self._note_progress()
         return output
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._note_optimizer_step()
+        self._note_progress()
         return output
 
     @override
