@@ -105,8 +105,10 @@ class DeepSpeedEnvironment:
         ).start()
 
     def _note_progress(self) -> None:
-        """After work every rank took part in: the watchdog counts it as a beat from every peer (a slow link that
-        starves the heartbeats while training goes on is not a lost node)."""
+        """After a step: the watchdog counts it as a beat from every peer (a slow link that starves the heartbeats
+        while training goes on is not a lost node). An optimizer step, and under ZeRO-3 every forward, needs every
+        rank; a ZeRO-1/2 forward does not, but a rank whose peer is gone blocks at its next reduction, so the credit
+        delays a detection by one step at most."""
         if self.peer_watchdog is not None:
             self.peer_watchdog.note_progress()
 
