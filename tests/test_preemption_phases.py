@@ -95,21 +95,12 @@ def test_sigterm_during_validation_inside_fit_commits_and_exits_75(phases):
     assert result["ranks"][0]["step"] == 5, "committed at the step validation ran after"
 
 
-def test_sigterm_during_the_sanity_check_exits_143_without_a_checkpoint(phases):
-    result = phases("sanity")
-    _assert_ended(result, PREEMPTED_NOTHING_SAVED_EXIT_CODE)
-    _assert_nothing_committed(result)
-
-
-def test_sigterm_during_trainer_validate_exits_143(phases):
-    result = phases("validate")
-    _assert_ended(result, PREEMPTED_NOTHING_SAVED_EXIT_CODE)
-    _assert_nothing_committed(result)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("phase", ["test", "predict"])
-def test_sigterm_during_trainer_test_and_predict_exits_143(phases, phase):
+@pytest.mark.parametrize(
+    "phase",
+    ["sanity", "validate", *(pytest.param(phase, marks=pytest.mark.slow) for phase in ("test", "predict"))],
+)
+def test_sigterm_before_anything_trained_exits_143_without_a_checkpoint(phases, phase):
+    # the sanity check, and trainer.validate / test / predict: nothing of this run to save
     result = phases(phase)
     _assert_ended(result, PREEMPTED_NOTHING_SAVED_EXIT_CODE)
     _assert_nothing_committed(result)
