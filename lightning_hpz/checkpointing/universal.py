@@ -89,9 +89,11 @@ def convert_to_universal(checkpoint_dir: Path, target: Path, quiet: bool = True)
         inject_missing_state=True,  # Lightning's ZeRO-1/2 checkpoints lack the universal-info block
     )
     target.parent.mkdir(parents=True, exist_ok=True)
-    silenced = (contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()))
-    with silenced[0] if quiet else contextlib.nullcontext(), silenced[1] if quiet else contextlib.nullcontext():
-        ds_to_universal.main(args)  # its progress bars show when not quiet (the convert command)
+    with contextlib.ExitStack() as output:
+        if quiet:  # its progress bars show otherwise (the convert command)
+            output.enter_context(contextlib.redirect_stdout(io.StringIO()))
+            output.enter_context(contextlib.redirect_stderr(io.StringIO()))
+        ds_to_universal.main(args)
     (partial / "latest").write_text(DEEPSPEED_TAG)  # Lightning checks for it before handing the path to DeepSpeed
     partial.rename(target)
 
