@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_hpz.bench import configurations as configs
+from lightning_hpz.bench import link_sweep
 from lightning_hpz.bench import results as res
 from lightning_hpz.bench.launch import ConfigurationFailedError, Launch, run_configuration
-from lightning_hpz.bench.prediction import predicted_cross_node_bytes
+from lightning_hpz.bench.prediction import predicted_cross_node_bytes, predicted_model_state_bytes
 from lightning_hpz.bench.testbed import (
     LinkShape,
     TestbedUnavailableError,
@@ -37,7 +38,13 @@ EXIT_UNAVAILABLE = 2
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-hpz bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--bandwidth", default="200mbit", help="rate of the link between the nodes, each way (tc)")
+    parser.add_argument(
+        "--bandwidth",
+        nargs="+",
+        default=["200mbit"],
+        help="rate of the link between the nodes, each way (tc); several rates run one benchmark each into "
+        "--out/<rate>/ and compare them in --out/comparison.md and step_time_vs_link.png",
+    )
     parser.add_argument("--latency", default="0ms", help="added one-way delay (needs tc netem); default none")
     parser.add_argument("--mtu", type=int, default=9000, help="MTU of the link (9000: jumbo frames, as in clusters)")
     parser.add_argument("--devices-per-node", type=int, default=2, help="processes per node (>= 2)")
@@ -71,12 +78,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.warmup is None:
         args.warmup = 2 if args.quick else 3
     try:
-        args.shape = LinkShape(args.bandwidth, args.latency, args.mtu)
+        args.shapes = [LinkShape(rate, args.latency, args.mtu) for rate in args.bandwidth]
+        args.shape = args.shapes[0]
         args.selected = configs.select(args.configs, args.quick)
     except ValueError as err:
         parser.error(str(err))
     if args.devices_per_node < 2:
         parser.error(f"--devices-per-node {args.devices_per_node}: hpZ needs at least 2 processes per node.")
+    if len(set(args.bandwidth)) != len(args.bandwidth):
+        parser.error(f"--bandwidth {' '.join(args.bandwidth)}: a rate is listed twice; give each once.")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: run at least one round.")
     if args.steps < args.warmup + 2:
@@ -87,18 +97,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def bench_main(argv: Sequence[str] = ()) -> None:
     args = parse_args(argv)
     command = "lightning-hpz bench " + shlex.join(argv)
-    if args.from_runs:
-        results = summarize_existing_runs(args, command)
-    else:
+    if not args.from_runs:
         refuse_where_unavailable()
-        try:
-            results = run_benchmark(args, command)
-        except TestbedUnavailableError as err:
-            print(f"lightning-hpz bench: {err}", file=sys.stderr)
-            raise SystemExit(EXIT_UNAVAILABLE) from err
-    print(res.markdown_table(results))
-    print(f"results in {args.out}/results.json, results.md, results.png")
-    if results["failed"]:
+    run_one = summarize_existing_runs if args.from_runs else run_benchmark
+    try:
+        sweep = len(args.shapes) > 1
+        per_speed = link_sweep.run_sweep(args, command, run_one) if sweep else [run_one(args, command)]
+    except TestbedUnavailableError as err:
+        print(f"lightning-hpz bench: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_UNAVAILABLE) from err
+    for results in per_speed:
+        print(res.markdown_table(results))
+    if len(per_speed) > 1:
+        print(f"comparison in {args.out}/comparison.md and step_time_vs_link.png; each speed in {args.out}/<rate>/")
+    else:
+        print(f"results in {args.out}/results.json, results.md, results.png")
+    if any(results["failed"] for results in per_speed):
         raise SystemExit(1)
 
 
@@ -185,6 +199,8 @@ def build_results(
         summary = res.summarize_run(configuration.name, rounds, tokens_per_step, args.shape.bits_per_second / 8)
         predicted = predicted_cross_node_bytes(configuration, parameters, devices)
         res.add_prediction(summary, *predicted, devices, args.shape.bits_per_second / 8)
+        memory = predicted_model_state_bytes(configuration, parameters, devices)
+        summary["predicted_model_state_bytes_per_rank"] = memory
         summaries[configuration.name] = summary
         if "deepspeed_config" in rounds[0][0]:
             configs_used[configuration.name] = rounds[0][0]["deepspeed_config"]

@@ -14,6 +14,9 @@ from typing import Any, Optional
 from lightning_hpz.bench.configurations import BenchConfiguration
 
 FP32_BYTES = 4  # the benchmark trains in fp32 on CPU: parameters and gradients travel as 4-byte floats
+# AdamW's bytes per parameter beyond the parameter itself: DeepSpeed keeps an fp32 master copy even in fp32 training
+# (master, momentum, variance); torch's AdamW on FSDP2/DDP parameters only the two moments.
+OPTIMIZER_BYTES = {"lightning": 12, "deepspeed": 12, "fsdp2": 8, "ddp": 8}
 # torch's gloo backend runs a reduce-scatter as a full all-reduce (measured by the model's author, see its docstring).
 GLOO_GRADIENT_REDUCTION = "all_reduce"
 
@@ -38,3 +41,28 @@ def predicted_cross_node_bytes(
     estimate = traffic_per_step(parameter_count, setup, layout, **options)
     described = ", ".join(f"{key}={value!r}" for key, value in options.items())
     return float(estimate.inter_node_bytes), f"traffic_per_step({setup}, {layout}, {described})"
+
+
+def predicted_model_state_bytes(
+    configuration: BenchConfiguration, parameter_count: int, devices_per_node: int
+) -> float:
+    """Model-state bytes one rank holds at the optimizer step (``lightning_hpz.planning.memory``): parameters,
+    gradients, optimizer states, hpZ's secondary shard; activations and buffers not included."""
+    from lightning_hpz.planning.communication import ClusterLayout, ZeroSetup
+    from lightning_hpz.planning.memory import memory_per_rank
+
+    setup = ZeroSetup(
+        stage=configuration.zero_stage,
+        hpz_partition_size=configuration.hpz_partition_size(devices_per_node),
+        shard_size=configuration.shard_size(devices_per_node),
+    )
+    layout = ClusterLayout(nodes=2, devices_per_node=devices_per_node)
+    estimate = memory_per_rank(
+        parameter_count,
+        setup,
+        layout,
+        param_bytes=FP32_BYTES,
+        grad_bytes=FP32_BYTES,
+        optimizer_bytes_per_param=OPTIMIZER_BYTES[configuration.driver],
+    )
+    return estimate.total

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import resource
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -25,6 +26,12 @@ def read_tx_bytes(interface: Optional[str]) -> Optional[int]:
         return None
     path = Path(f"/sys/class/net/{interface}/statistics/tx_bytes")
     return int(path.read_text()) if path.exists() else None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports ``ru_maxrss`` in KiB): libraries, model states,
+    activations and communication buffers together."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class StepRecorder:
@@ -74,6 +81,7 @@ class StepRecorder:
             "step_times": self.step_times(),
             "tx_bytes_start": self.marks.get("start", {}).get("tx_bytes"),
             "tx_bytes_end": self.marks.get("end", {}).get("tx_bytes"),
+            "peak_rss_bytes": peak_rss_bytes(),
             **extra,
         }
 

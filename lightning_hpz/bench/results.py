@@ -44,7 +44,15 @@ def summarize_run(
         "loss_trajectory": trajectories[0],
         "loss_difference_between_rounds": max(_max_difference(t, trajectories[0]) for t in trajectories),
         "link_bound_step_s": _busier_direction_bytes(rounds) / link_bytes_per_s if link_bytes_per_s else None,
+        "peak_rss_bytes_per_rank": _peak_rss(rounds),
     }
+
+
+def _peak_rss(rounds: list[list[dict[str, Any]]]) -> Optional[float]:
+    """Median over the rounds of the ranks' mean peak resident memory (``None`` for records without it)."""
+    if not all("peak_rss_bytes" in record for records in rounds for record in records):
+        return None  # recorded before the field existed
+    return statistics.median(statistics.fmean(r["peak_rss_bytes"] for r in records) for records in rounds)
 
 
 def _busier_direction_bytes(rounds: list[list[dict[str, Any]]]) -> float:
