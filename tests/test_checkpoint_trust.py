@@ -82,6 +82,7 @@ def moved_down(written, module_tmp):
     jobs.append({**resize, "max_steps": 5, "ckpt_path": str(copies["no_manifest"]), "ckpt_dir": scratch})
     jobs.append({**resize, "max_steps": 8, "ckpt_path": "last", "moments": True})
     jobs.append({"stage": 2, "max_steps": 4, "ckpt_dir": str(module_tmp / "ckpts_stage2"), "moments": True})
+    jobs.append({"stage": 1, "max_steps": 4, "ckpt_dir": str(module_tmp / "ckpts_stage1"), "moments": True})
     jobs.append({"stage": 3, "max_steps": 8, "ckpt_path": str(ckpts / "step=4.ckpt"), "ckpt_dir": scratch})
     options = {"devices": 2, "ckpt_dir": str(ckpts), "jobs": jobs}
     return run_script("checkpoint_training.py", options, module_tmp / "down", timeout=500, ranks=2), copies
@@ -89,11 +90,12 @@ def moved_down(written, module_tmp):
 
 @pytest.fixture(scope="module")
 def moved_up(moved_down, written, module_tmp):
-    """4 ranks resume the 2-rank checkpoints: ZeRO-2, then ZeRO-3 with hpZ 2."""
+    """4 ranks resume the 2-rank checkpoints: ZeRO-2, ZeRO-3 with hpZ 2, ZeRO-1."""
     _, ckpts, _ = written
     jobs = [
         {"stage": 2, "max_steps": 6, "ckpt_path": str(module_tmp / "ckpts_stage2" / "step=4.ckpt"), "moments": True},
         {"stage": 3, "hpz": 2, "max_steps": 10, "ckpt_path": str(ckpts / "step=8.ckpt"), "moments": True},
+        {"stage": 1, "max_steps": 6, "ckpt_path": str(module_tmp / "ckpts_stage1" / "step=4.ckpt"), "moments": True},
     ]
     for job in jobs:
         job["exact_resume"] = False  # a resize: see test_resize_under_exact_resume_is_refused
@@ -194,17 +196,18 @@ def test_four_to_two_ranks_resumes_identical_weights_and_trains(written, moved_d
                           "moments_job0_step4.pt")  # fmt: skip
 
 
-@pytest.mark.parametrize("job,stage,steps", [(0, 2, [4, 5]), (1, 3, [8, 9])])
+@pytest.mark.parametrize("job,stage,steps", [(0, 2, [4, 5]), (1, 3, [8, 9]), (2, 1, [4, 5])])
 def test_two_to_four_ranks_resumes_identical_weights_and_trains(moved_up, written, module_tmp, job, stage, steps):
     _, ckpts, _ = written
-    source = module_tmp / "ckpts_stage2" / "step=4.ckpt" if stage == 2 else ckpts / "step=8.ckpt"
+    source = ckpts / "step=8.ckpt" if stage == 3 else module_tmp / f"ckpts_stage{stage}" / "step=4.ckpt"
     assert read_manifest(source)["run"]["world_size"] == 2
     jobs = _jobs(moved_up, 4)
     _assert_weights_match(module_tmp / "up" / f"weights_job{job}.pt", source, module_tmp)
     assert [rank_jobs[job]["start_step"] for rank_jobs in jobs] == [steps[0]] * 4
     assert all(rank_jobs[job]["weight_decay"] == [0.1, 0.0] for rank_jobs in jobs)
-    # saved by the 2-rank jobs that wrote the source (index 6: ZeRO-2 to step 4; 5: ZeRO-3 to step 8)
-    saved = module_tmp / "down" / (f"moments_job6_step{steps[0]}.pt" if stage == 2 else "moments_job5_step8.pt")
+    # saved by the 2-rank jobs that wrote the source (index 6: ZeRO-2 to step 4; 7: ZeRO-1 to 4; 5: ZeRO-3 to 8)
+    writer = {2: "moments_job6_step4.pt", 1: "moments_job7_step4.pt", 3: "moments_job5_step8.pt"}[stage]
+    saved = module_tmp / "down" / writer
     _assert_moments_match(module_tmp / "up" / f"moments_job{job}_step{steps[0]}.pt", saved)
     losses = jobs[0][job]["losses"]
     assert sorted(int(step) for step in losses) == steps

@@ -1,6 +1,7 @@
 """Resumes by name on real processes (2 CPU ranks): ``ckpt_path="hpc"``, ``"last"`` and SLURM's auto-resume take the
 newest committed checkpoint of the run, whatever its name, with preemption checkpoints retired as they are superseded;
-and ``ckpt_path="last"`` after a commit killed between its two renames resumes the newest committed step."""
+and ``ckpt_path="last"`` (or the explicit path of ``last.ckpt``) after a commit killed between its two renames resumes
+the newest committed step."""
 
 import contextlib
 import json
@@ -92,7 +93,7 @@ def test_slurm_auto_resume_takes_a_last_ckpt_newer_than_the_preemption_checkpoin
     assert "Lightning's choice by name was" in output and "hpc_ckpt_3.ckpt (step 9)" in output
 
 
-def test_last_after_a_commit_killed_between_its_two_renames(module_tmp):
+def test_last_or_its_path_after_a_commit_killed_between_its_two_renames(module_tmp):
     root, last = module_tmp / "fault", module_tmp / "fault" / "checkpoints" / "last.ckpt"
     killed = {"max_steps": 6, "fault_point": "commit:old_moved_aside", "fault_step": 4}
     run = run_script("resume_by_name.py", {"root": str(root), "renames": True, "jobs": [killed]}, module_tmp / "kill",
@@ -104,9 +105,11 @@ def test_last_after_a_commit_killed_between_its_two_renames(module_tmp):
     shutil.copytree(root, rolled_back)
     shard = next((staging_path(rolled_back / "checkpoints" / "last.ckpt") / "checkpoint").glob("*optim_states.pt"))
     os.truncate(shard, shard.stat().st_size // 2)
-    # torchrun-style ranks, then Lightning's own launcher (rank 0 starts rank 1 inside the entry point)
+    # "last" on torchrun-style ranks; the explicit path on Lightning's own launcher (rank 0 starts rank 1 inside the
+    # entry point): both repair before they load
     for folder, step, ranks in ((root, 4, 2), (rolled_back, 2, None)):
-        job = {"max_steps": 6, "ckpt_path": "last"}
+        named = "last" if folder == root else str(folder / "checkpoints" / "last.ckpt")
+        job = {"max_steps": 6, "ckpt_path": named}
         options = {"root": str(folder), "renames": True, "jobs": [job]}
         out = module_tmp / f"resume-{folder.name}"
         run = run_script("resume_by_name.py", options, out, timeout=300, ranks=ranks)

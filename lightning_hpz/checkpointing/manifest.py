@@ -32,6 +32,24 @@ def file_digest(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "blake2b": digest.hexdigest()}
 
 
+def buffer_digest(data: Any) -> dict[str, Any]:
+    """:func:`file_digest` of bytes already in memory (or mapped): a ``bytes``-like object or an ``mmap``."""
+    view, digest = memoryview(data), hashlib.blake2b(digest_size=16)
+    for start in range(0, len(view), _CHUNK):
+        digest.update(view[start : start + _CHUNK])
+    return {"size": len(view), "blake2b": digest.hexdigest()}
+
+
+def digest_problem(where: Any, expected: dict[str, Any], found: dict[str, Any]) -> str:
+    """'' when ``found`` (size and blake2b) is what the manifest ``expected``, else one sentence saying both."""
+    if found == {"size": expected["size"], "blake2b": expected["blake2b"]}:
+        return ""
+    return (
+        f"{where}: expected {expected['size']} bytes with blake2b {expected['blake2b']}, "
+        f"found {found['size']} bytes with blake2b {found['blake2b']}"
+    )
+
+
 def checkpoint_files(checkpoint_dir: Path) -> list[str]:
     """Every file DeepSpeed wrote for the checkpoint that a resume reads, relative to ``checkpoint_dir``, sorted: the
     tag folder's, and ``latest`` (the tag a resume opens)."""
@@ -95,13 +113,7 @@ def file_problem(checkpoint_dir: Path, name: str, expected: dict[str, Any], hash
     size = path.stat().st_size
     if size == expected["size"] and not hash_contents:
         return ""
-    found = file_digest(path)
-    if found == {"size": expected["size"], "blake2b": expected["blake2b"]}:
-        return ""
-    return (
-        f"{path}: expected {expected['size']} bytes with blake2b {expected['blake2b']}, "
-        f"found {found['size']} bytes with blake2b {found['blake2b']}"
-    )
+    return digest_problem(path, expected, file_digest(path))
 
 
 def verify_files(

@@ -15,7 +15,7 @@ from lightning.fabric.strategies.deepspeed import _validate_checkpoint_directory
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hpz import collectives
-from lightning_hpz.checkpointing import compatibility, manifest, universal
+from lightning_hpz.checkpointing import compatibility, load_repair, manifest, universal
 from lightning_hpz.checkpointing.errors import CheckpointIntegrityError, CheckpointMismatchError
 
 NO_MANIFEST_WARNING = (
@@ -26,6 +26,7 @@ NO_MANIFEST_WARNING = (
 def prepare_load(strategy: Any, checkpoint_path: Any) -> tuple[Path, contextlib.AbstractContextManager]:
     """The directory DeepSpeed should load, and the context to load it in; raises on every rank if it must not."""
     path = Path(checkpoint_path)
+    load_repair.repair_before_load(path)  # a path caught between the two renames of its commit exists again
     # Lightning's own check first: a wrong path gets its guidance (a subfolder or a file inside a checkpoint: "try
     # to load using this parent directory instead"), the same FileNotFoundError as with Lightning's strategy
     _validate_checkpoint_directory(path)
@@ -39,11 +40,22 @@ def prepare_load(strategy: Any, checkpoint_path: Any) -> tuple[Path, contextlib.
     current = compatibility.describe_run(strategy)
     refuse_mismatches(path, saved, current, strategy)
     if saved.get("world_size") in (None, current["world_size"]):
-        return path, contextlib.nullcontext()
+        return path, _verifying_reads(strategy, path, recorded)
     refuse_inexact_resize(path, saved["world_size"], current["world_size"], strategy)
     refuse_unconvertible_optimizer(path, saved)
     rank_zero_warn(universal.DATA_ORDER_WARNING.format(saved=saved["world_size"], current=current["world_size"]))
     return universal.universal_copy(path), _universal_resume(strategy.deepspeed_engine, saved.get("param_groups"))
+
+
+@contextlib.contextmanager
+def _verifying_reads(strategy: Any, path: Path, recorded: Any) -> Iterator[None]:
+    """Each file DeepSpeed reads is checked again from the bytes it loads (the check above read them by path); the
+    strategy's ``files_verified_in_load`` then names them, in the order they were read."""
+    from lightning_hpz.partitioning import verifying_reads
+
+    with verifying_reads(getattr(strategy, "deepspeed_engine", None), path, recorded) as reads:
+        yield
+    strategy.files_verified_in_load = reads.verified if reads is not None else []
 
 
 @contextlib.contextmanager

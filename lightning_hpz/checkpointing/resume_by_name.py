@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,10 +32,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_hpz import collectives
-from lightning_hpz.checkpointing import commit, resume_choice, writer_lock
+from lightning_hpz.checkpointing import load_repair, resume_choice
 from lightning_hpz.checkpointing.errors import CheckpointStorageError
-
-log = logging.getLogger(__name__)
 
 
 class ResumeByName:
@@ -148,7 +145,7 @@ def run_folders(trainer: Any) -> list[Path]:
 def _choose_on_rank_zero(trainer: Any, by_name: ResumeByName) -> Optional[str]:
     folders = run_folders(trainer)
     for folder in folders:
-        _repair(folder)
+        load_repair.repair_folder(folder)
     with warnings.catch_warnings(record=True) as held:  # "no last checkpoint" would be wrong if we find one
         warnings.simplefilter("always")
         lightning_choice = by_name.lightning_choice()
@@ -165,12 +162,3 @@ def _choose_on_rank_zero(trainer: Any, by_name: ResumeByName) -> Optional[str]:
         f"{', '.join(str(folder) for folder in folders)}; Lightning's choice by name was {by_lightning}."
     )
     return str(chosen)
-
-
-def _repair(folder: Path) -> None:
-    holder = writer_lock.held_by_another_job(folder)
-    if holder is not None:  # its commit may be under way: repairing would race with it
-        log.warning("Not repairing interrupted commits in %s: job %s may still be writing it.", folder, holder)
-        return
-    for final, what in commit.repair_interrupted_commits_in(folder).items():
-        log.warning("Checkpoint %s: the previous save was interrupted while committing; %s.", final, what)

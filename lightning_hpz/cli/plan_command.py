@@ -63,10 +63,18 @@ def preset_parameter_count(name: str) -> int:
     return presets.PRESETS[name].parameters
 
 
-def plan_table(args: argparse.Namespace, param_count: int) -> str:
+@dataclass(frozen=True)
+class PlanEntry:
+    name: str
+    traffic: TrafficEstimate
+    seconds: float
+    memory_bytes: float
+
+
+def plan_entries(args: argparse.Namespace, param_count: int) -> list[PlanEntry]:
+    """Each configuration's predicted traffic, communication seconds and memory per rank."""
     layout = ClusterLayout(args.nodes, args.devices_per_node)
-    header = ["configuration", "cross-node GB/rank", "intra-node GB/rank", "comm s/step", "memory GiB/rank"]
-    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    entries = []
     for row in plan_rows(args.devices_per_node):
         if args.nodes == 1 and (row.zero.hpz_partition_size > 1 or row.zero.shard_size is not None):
             continue  # on one node hpZ, HSDP and MiCS are plain ZeRO-3
@@ -83,14 +91,55 @@ def plan_table(args: argparse.Namespace, param_count: int) -> str:
             param_count, row.zero, layout, args.param_bytes, args.optimizer_bytes, grad_bytes=args.param_bytes
         )
         seconds = communication_seconds(traffic, layout, args.inter_node_gbps, args.intra_node_gbps)
+        entries.append(PlanEntry(row.name, traffic, seconds, memory.total))
+    return entries
+
+
+def plan_table(args: argparse.Namespace, param_count: int) -> str:
+    header = ["configuration", "cross-node GB/rank", "intra-node GB/rank", "comm s/step", "memory GiB/rank"]
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    for entry in plan_entries(args, param_count):
         cells = [
-            row.name,
-            f"{traffic.inter_node_bytes / 1e9:.3f}",
-            f"{traffic.intra_node_bytes / 1e9:.3f}",
-            f"{seconds:.3f}",
-            f"{memory.total / GIB:.2f}",
+            entry.name,
+            f"{entry.traffic.inter_node_bytes / 1e9:.3f}",
+            f"{entry.traffic.intra_node_bytes / 1e9:.3f}",
+            f"{entry.seconds:.3f}",
+            f"{entry.memory_bytes / GIB:.2f}",
         ]
         lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+# How each configuration of the table is run; the planner compares them all, the strategy runs the DeepSpeed ones.
+HOW_TO_RUN = {
+    "DDP": "Lightning's DDPStrategy",
+    "ZeRO-1": "HpzStrategy(stage=1)",
+    "ZeRO-2": "HpzStrategy(stage=2)",
+    "ZeRO-3": "HpzStrategy(stage=3, hpz_partition_size=1)",
+    "ZeRO-3 + hpZ": 'strategy="hpz" (hpZ over one node by default)',
+    "ZeRO++": 'strategy="zeropp" (CUDA only)',
+    "FSDP2 HSDP": "FSDP2 fully_shard on a 2-D mesh (replicate across nodes, shard within): Lightning's "
+    "ModelParallelStrategy, not this package",
+    "MiCS": "DeepSpeed 0.9.2-0.18.x with NCCL (DeepSpeed 0.19 removed MiCS): not this package",
+}
+
+
+def recommendation(args: argparse.Namespace, param_count: int) -> str:
+    """The configurations whose model states fit ``--memory-gib``, least communication first, and how to run each."""
+    entries = plan_entries(args, param_count)
+    fitting = sorted((e for e in entries if e.memory_bytes <= args.memory_gib * GIB), key=lambda e: e.seconds)
+    if not fitting:
+        least = min(entries, key=lambda e: e.memory_bytes)
+        return (
+            f"Nothing fits {args.memory_gib:g} GiB per rank: the least memory is {least.name}'s "
+            f"{least.memory_bytes / GIB:.2f} GiB of model states. Add nodes, offload the optimizer "
+            '(strategy="hpz_offload") or choose a smaller model.'
+        )
+    lines = [f"Fitting {args.memory_gib:g} GiB per rank (model states only; leave room for activations), least "
+             "communication first:"]  # fmt: skip
+    for entry in fitting:
+        how = HOW_TO_RUN[max((p for p in HOW_TO_RUN if entry.name.split(" (")[0].startswith(p)), key=len)]
+        lines.append(f"  {entry.seconds:8.3f} s  {entry.memory_bytes / GIB:7.2f} GiB  {entry.name}: {how}")
     return "\n".join(lines)
 
 
@@ -119,7 +168,12 @@ def parse_plan_args(argv: Sequence[str]) -> argparse.Namespace:
         "device on every node) and print the autotuner's candidates and choice; --nodes, --devices-per-node and "
         "the link speeds then come from the launch and the measurement",
     )
-    parser.add_argument("--memory-gib", type=float, help="--probe: memory budget per rank (default: the device's)")
+    parser.add_argument(
+        "--memory-gib",
+        type=float,
+        help="memory budget per rank: without --probe, list the configurations that fit, least communication first; "
+        "with --probe, the autotuner's budget (default: the device's)",
+    )
     parser.add_argument("--cpu", action="store_true", help="--probe: measure over gloo even where CUDA exists")
     args = parser.parse_args(list(argv))
     for name in ("nodes", "devices_per_node", "inter_node_gbps", "intra_node_gbps", "param_bytes"):
@@ -145,3 +199,6 @@ def plan_main(argv: Sequence[str] = ()) -> None:
         f"{args.inter_node_gbps:g} Gbit/s between nodes, {args.intra_node_gbps:g} Gbit/s within; per optimizer step"
     )
     print(plan_table(args, param_count))
+    if args.memory_gib is not None:
+        print()
+        print(recommendation(args, param_count))

@@ -48,6 +48,8 @@ _NEEDS_DEEPSPEED = {
     "loads_reach_shards": "placeholder_writes",
     "registered_parameters": "placeholder_writes",
     "writes_reach_shards": "placeholder_writes",
+    "VerifiedReads": "verified_reads",
+    "verifying_reads": "verified_reads",
 }
 
 __getattr__, __dir__ = lazy_names(__name__, _NEEDS_DEEPSPEED)

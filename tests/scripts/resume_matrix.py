@@ -154,6 +154,9 @@ def checkpoint_callback(cell: dict, out: Path) -> ModelCheckpoint:
     return ModelCheckpoint(dirpath=dirpath, every_n_train_steps=cell["checkpoint_step"], save_top_k=-1)
 
 
+VERIFIED_IN_LOAD: dict[str, list] = {}
+
+
 def run_cell(cell: dict, options: dict, out: Path) -> dict:
     L.seed_everything(0, verbose=False)
     config = DEEPSPEED_OPTIMIZER if cell["optimizer"] == "deepspeed" else None
@@ -175,6 +178,8 @@ def run_cell(cell: dict, options: dict, out: Path) -> dict:
         enable_model_summary=False,
     )
     trainer.fit(module, data, ckpt_path=cell.get("resume_from"))
+    if resuming:  # the checkpoint files DeepSpeed read, each verified from the bytes it loaded
+        VERIFIED_IN_LOAD[cell["name"]] = getattr(trainer.strategy, "files_verified_in_load", None)
     return recorder.record
 
 
@@ -183,7 +188,7 @@ def main(options: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     records = {cell["name"]: run_cell(cell, options, out) for cell in options["cells"]}
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    (out / f"rank{rank}.json").write_text(json.dumps({"cells": records}))
+    (out / f"rank{rank}.json").write_text(json.dumps({"cells": records, "verified_in_load": VERIFIED_IN_LOAD}))
 
 
 if __name__ == "__main__":
