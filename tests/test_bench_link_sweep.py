@@ -27,6 +27,7 @@ def _summary(step_s: float, ratio: float) -> dict:
 def _results(bandwidth: str, scale: float, ratio: float = 1.01, agrees: bool = True, failed=None) -> dict:
     names = ("zero3", "fsdp2-hsdp")
     return {
+        "command": "lightning-hpz bench --bandwidth 50mbit 2gbit",
         "link": {"bandwidth": bandwidth},
         "devices_per_node": 2,
         "parameter_count": 1_850_368,
@@ -59,10 +60,11 @@ def test_one_rate_out_of_bounds_fails_the_comparison(broken):
 
 
 def test_the_comparison_has_a_table_per_rate_and_the_step_times_side_by_side():
-    text = link_sweep.comparison_markdown([_results("50mbit", 4.0), _results("2gbit", 0.2)], "lightning-hpz bench x")
+    text = link_sweep.comparison_markdown([_results("50mbit", 4.0), _results("2gbit", 0.2)])
     assert text.count("### 50mbit") == 1 and text.count("### 2gbit") == 1
     assert "| fsdp2-hsdp | 8.000 | 0.400 |" in text  # the overview row: one median per rate
     assert "| 3.0 | 500 |" in text  # model states (planner) and peak RSS (measured), MiB per rank
+    assert text.startswith("Command: `lightning-hpz bench --bandwidth 50mbit 2gbit`")
     assert text.rstrip().endswith("**yes**.")
 
 

@@ -34,14 +34,14 @@ def run_sweep(
         speed_args.shape, speed_args.out = shape, speed_folder(args.out, shape.bandwidth)
         per_speed.append(run_one(speed_args, command))
         args.port = speed_args.port  # rendezvous ports keep counting up across the speeds
-    write_comparison(per_speed, args.out, command)
+    write_comparison(per_speed, args.out)
     return per_speed
 
 
-def write_comparison(per_speed: list[dict[str, Any]], out: Path, command: str) -> None:
+def write_comparison(per_speed: list[dict[str, Any]], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "comparison.json").write_text(json.dumps(verdicts(per_speed), indent=1))
-    (out / "comparison.md").write_text(comparison_markdown(per_speed, command))
+    (out / "comparison.md").write_text(comparison_markdown(per_speed))
     write_chart(per_speed, out / "step_time_vs_link.png")
 
 
@@ -70,10 +70,11 @@ def _within(ratio: Optional[float], tolerance: float) -> bool:
     return ratio is not None and abs(ratio - 1) <= tolerance
 
 
-def comparison_markdown(per_speed: list[dict[str, Any]], command: str) -> str:
+def comparison_markdown(per_speed: list[dict[str, Any]]) -> str:
+    """The comparison, headed by the command that ran the rates (a ``--from-runs`` summary keeps the original)."""
     first = per_speed[0]
     lines = [
-        f"Command: `{command}`",
+        f"Command: `{first['command']}`",
         "",
         f"2 nodes x {first['devices_per_node']} CPU processes, {first['parameter_count'] / 1e6:.2f}M parameters "
         f"fp32; {first['rounds']} round(s) x {first['steps'] - first['warmup']} measured steps per configuration and "
