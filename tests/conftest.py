@@ -178,24 +178,3 @@ def netns_marks() -> list:
         pytest.mark.skipif(reason is not None, reason=f"two-node testbed unavailable: {reason}"),
     ]
 
-
-# Files that share a session fixture run on one pytest-xdist worker, so the fixture's launch happens once.
-SHARED_SESSION_FIXTURES = {
-    "quickstart_run": ("test_quickstart.py", "test_hf_export.py"),
-    "plain_zero3_toy": ("test_race_emulation.py", "test_strategy_training.py"),
-}
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """With ``-n 2 --dist loadgroup`` (``make test``) each test file is one unit of work, as with ``--dist loadfile``:
-    a module's fixtures (most of them launches of several processes) run once, not once per worker."""
-    group_of = {name: fixture for fixture, names in SHARED_SESSION_FIXTURES.items() for name in names}
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            file = item.path.name
-            item.add_marker(pytest.mark.xdist_group(group_of.get(file, file)))
-    # The scheduler hands out files in this order: the longest launches first, so that no long file starts last
-    # and runs alone at the end. A stable sort: within each kind the files keep their order.
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    launching = {item.path for item in items if item.get_closest_marker("multiprocess")}
-    items.sort(key=lambda item: (item.path not in slow_files, item.path not in launching))

@@ -197,3 +197,30 @@ def test_both_strategies_take_the_settings_and_refuse_bad_ones_at_construction()
     assert HpzStrategy(peer_timeout=90, heartbeat_interval=10).heartbeat_interval == 10
     with pytest.raises(ValueError, match="three heartbeat intervals"):
         HpzFabricStrategy(peer_timeout=10, heartbeat_interval=5)
+
+
+def test_rank_0_keeps_the_store_up_until_a_slower_peer_has_left():
+    """Under Lightning's launchers rank 0 serves the store: leaving before a slower peer finishes would make that
+    peer take the store's end for a lost node (seen in CI: exit 76 after both ranks raised the same error)."""
+    store, lost = FakeStore(), []
+    pair = [_watchdog(store, lost, rank=0).start(), _watchdog(store, lost, rank=1).start()]
+    time.sleep(0.3)
+    slower = threading.Timer(0.4, pair[1].stop)  # rank 1 reaches its teardown 0.4 s after rank 0
+    slower.start()
+    started = time.monotonic()
+    pair[0].stop()
+    waited = time.monotonic() - started
+    slower.join()
+    assert 0.3 < waited < 0.6 + 0.5, waited  # until rank 1 left, not the whole timeout (0.6 s)
+    assert store.data[heartbeat_key(1)] == LEFT.encode() and lost == []
+
+
+def test_rank_0_does_not_wait_for_a_peer_that_is_gone():
+    store, lost = FakeStore(), []
+    store.data[heartbeat_key(1)] = b"beat before the node was lost"
+    watchdog = _watchdog(store, lost, rank=0)
+    watchdog._stopping.set()  # stopped before its threads ran: only the leaving part is timed
+    started = time.monotonic()
+    watchdog._stopping.clear()
+    watchdog.stop()
+    assert time.monotonic() - started < 0.6  # silent for three intervals (0.3 s): gone, not waited for

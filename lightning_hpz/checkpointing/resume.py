@@ -7,6 +7,7 @@ message instead of one rank's traceback and the others' "Connection closed by pe
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -53,9 +54,21 @@ def _verifying_reads(strategy: Any, path: Path, recorded: Any) -> Iterator[None]
     strategy's ``files_verified_in_load`` then names them, in the order they were read."""
     from lightning_hpz.partitioning import verifying_reads
 
-    with verifying_reads(getattr(strategy, "deepspeed_engine", None), path, recorded) as reads:
+    sizes = {name: int(entry["size"]) for name, entry in recorded["files"].items()} if recorded else None
+    engine = getattr(strategy, "deepspeed_engine", None)
+    with verifying_reads(engine, path, sizes, functools.partial(_check_loaded_bytes, path, recorded)) as reads:
         yield
     strategy.files_verified_in_load = reads.verified if reads is not None else []
+
+
+def _check_loaded_bytes(path: Path, recorded: dict[str, Any], name: str, data: Any) -> None:
+    problem = manifest.digest_problem(path / name, recorded["files"][name], manifest.buffer_digest(data))
+    if problem:
+        raise CheckpointIntegrityError(
+            f"Checkpoint file changed between its verification and its load: {problem}. Another process may be "
+            f"writing {path}, or its storage returns inconsistent data; load it again once nothing else writes it, "
+            "or resume from an earlier checkpoint."
+        )
 
 
 @contextlib.contextmanager

@@ -30,7 +30,9 @@ rank's abort does not wake the ranks of other nodes. Design, with the reasons:
   GIL: a 0.8 GB save left a Python thread's longest pause at 76 ms, measured here). When this process itself was
   stopped (a judge tick late by over ``timeout / 3``, e.g. SIGSTOP, swap), peers get a fresh ``timeout``.
 - **A rank that ends cleanly says so.** At teardown (and at interpreter exit, for a Fabric script that never calls
-  teardown) a rank writes ``left`` into its key: a peer that finishes its run later does not take it for lost.
+  teardown) a rank writes ``left`` into its key: a peer that finishes its run later does not take it for lost. Rank
+  0, whose process serves the store under Lightning's launchers, then waits until every live peer has left, so that a
+  slower peer does not take the store's disappearance for a lost node.
 - **The exit is ``os._exit(76)``, from the judge thread.** A rank blocked inside a collective cannot be unblocked
   otherwise, and no collective may run on the way out (it would block the same way). 76 is sysexits' ``EX_PROTOCOL``
   ("remote error"): distinct from 0, 3, 4, 75 and a crash's 1 or signal codes. Before exiting the rank prints which
@@ -292,6 +294,29 @@ class PeerWatchdog:
             # the beat thread may be inside one store call: it gives up after the call's timeout
             thread.join(timeout=self.call_timeout + 1.0)
         self._mark_left()
+        if self.rank == 0 and self.verdict is None:
+            self._wait_for_peers_to_leave()
+
+    def _wait_for_peers_to_leave(self) -> None:
+        """Rank 0's process serves the store under Lightning's launchers: its exit takes the store away, and a peer
+        still finishing (reaching the same error later on a loaded machine, a longer teardown) would take that for
+        rank 0's node being lost and end with 76. So rank 0 waits until every peer has left, or has been silent for
+        three intervals (gone already), at most ``timeout`` seconds. Live peers leave within their teardown."""
+        deadline, last_seen, poll = self.clock() + self.book.timeout, {}, min(0.2, self.interval / 4)
+        keys = {peer: heartbeat_key(peer) for peer in self.book.peers}
+        while self.clock() < deadline:
+            try:
+                client = self._connection()
+                values = {peer: _text(client.get(key)) if client.check([key]) else None for peer, key in keys.items()}
+            except Exception:  # the store is gone already: nobody can be told anything
+                return
+            now = self.clock()
+            for peer, value in values.items():
+                if last_seen.get(peer, (None,))[0] != value:
+                    last_seen[peer] = (value, now)
+            if all(value in (None, LEFT) or now - last_seen[p][1] > 3 * self.interval for p, value in values.items()):
+                return
+            time.sleep(poll)
 
     def confirm_peers_alive(self) -> bool:
         """Wait until every peer has beaten since this call (or left): True. A peer that stays silent is declared

@@ -6,48 +6,44 @@ system's client cache), would load unverified. While DeepSpeed loads, its engine
 every DeepSpeed checkpoint read goes through: ``DeepSpeedEngine._load_checkpoint``, ``_get_all_zero_checkpoints``,
 the ZeRO-3 state-dict loader) is wrapped: each file it asks for is mapped once, hashed from the mapping, compared with
 the manifest, and handed to ``torch.load`` as that same mapping. The pages are the page cache's: no second copy in
-memory. Files the manifest does not list (a universal-format copy) pass through unchanged.
+memory. Files the manifest does not list (a universal-format copy) pass through unchanged. What a file must hash to,
+and the error when it does not, are the caller's (``checkpointing/resume.py``): this module only maps and reads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from lightning_hpz.checkpointing.errors import CheckpointIntegrityError
-from lightning_hpz.checkpointing.manifest import buffer_digest, digest_problem
+# check(name, mapping): raises unless the mapped bytes of ``name`` (relative to the checkpoint) are the recorded ones
+Check = Callable[[str, Any], None]
 
 # DeepSpeed's plain torch.load engine: the one this wrapper reads for (the asynchronous writers are refused at setup)
 WRAPPED_ENGINE = "TorchCheckpointEngine"
 
 
 class VerifiedReads:
-    """A checkpoint engine whose ``load`` verifies each manifest file it reads; everything else is the wrapped one."""
+    """A checkpoint engine whose ``load`` checks each listed file it reads; everything else is the wrapped one's."""
 
-    def __init__(self, inner: Any, checkpoint_dir: Path, recorded: dict[str, Any]) -> None:
+    def __init__(self, inner: Any, checkpoint_dir: Path, sizes: dict[str, int], check: Check) -> None:
         self.inner = inner
         self.checkpoint_dir = Path(checkpoint_dir).resolve()
-        self.entries: dict[str, dict[str, Any]] = recorded["files"]
+        self.sizes = sizes  # the files to check, by name relative to the checkpoint, with their recorded sizes
+        self.check = check
         self.verified: list[str] = []  # names, in the order DeepSpeed read them
 
     def load(self, path: Any, map_location: Any = None) -> Any:
-        expected = self.entries.get(self._name(path)) if self._name(path) else None
-        if expected is None or expected["size"] == 0:
+        name = self._name(path)
+        if name is None or not self.sizes.get(name):  # not listed, or empty (nothing to map)
             return self.inner.load(path, map_location=map_location)
         with open(path, "rb") as stream, mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
-            problem = digest_problem(path, expected, buffer_digest(mapping))
-            if problem:
-                raise CheckpointIntegrityError(
-                    f"Checkpoint file changed between its verification and its load: {problem}. Another process may "
-                    f"be writing {self.checkpoint_dir}, or its storage returns inconsistent data; load it again once "
-                    "nothing else writes it, or resume from an earlier checkpoint."
-                )
-            self.verified.append(self._name(path) or str(path))
+            self.check(name, mapping)
+            self.verified.append(name)
             return torch.load(mapping, map_location=map_location, weights_only=False)
 
     def _name(self, path: Any) -> Optional[str]:
@@ -62,15 +58,15 @@ class VerifiedReads:
 
 @contextlib.contextmanager
 def verifying_reads(
-    engine: Any, checkpoint_dir: Path, recorded: Optional[dict[str, Any]]
+    engine: Any, checkpoint_dir: Path, sizes: Optional[dict[str, int]], check: Check
 ) -> Iterator[Optional[VerifiedReads]]:
     """While DeepSpeed loads ``checkpoint_dir`` into ``engine``, verify every file it reads; yields the wrapper (None
     without a manifest or for another checkpoint engine: nothing is checked then)."""
     inner = getattr(engine, "checkpoint_engine", None)
-    if recorded is None or type(inner).__name__ != WRAPPED_ENGINE or not callable(getattr(inner, "load", None)):
+    if sizes is None or type(inner).__name__ != WRAPPED_ENGINE or not callable(getattr(inner, "load", None)):
         yield None
         return
-    reads = VerifiedReads(inner, checkpoint_dir, recorded)
+    reads = VerifiedReads(inner, checkpoint_dir, sizes, check)
     engine.checkpoint_engine = reads
     try:
         yield reads

@@ -27,6 +27,7 @@ from lightning_hpz.checkpointing.preemption_retention import (
     retire_older_preemption_checkpoints,
 )
 from lightning_hpz.exact_resume import data_order, epoch_end_checkpoint, random_layers, stream_position
+from lightning_hpz.exact_resume.data_order import DataOrderError
 from lightning_hpz.exact_resume.resumable_batches import ResumableBatches
 from lightning_hpz.exact_resume.resumable_loader import ResumableLoader
 from lightning_hpz.lifecycle import rank_failure
@@ -192,7 +193,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if isinstance(exception, (CoordinatedExit, CheckpointRefusedError, CheckpointStorageError)):
+        if isinstance(exception, (CoordinatedExit, CheckpointRefusedError, CheckpointStorageError, DataOrderError)):
             return  # every rank raises this itself, after the same collectives: nobody is blocked, each one reports
         if self.peer_watchdog is not None and isinstance(exception, RuntimeError):
             # a collective that failed because a node is gone: name the node (exit 76) rather than a closed socket
