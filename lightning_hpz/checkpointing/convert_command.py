@@ -3,7 +3,8 @@
 A resume on another number of ranks converts the checkpoint on rank 0 while the others wait; for a large model that
 is minutes of idle GPUs, and a checkpoint that cannot be written needs a cache folder. This runs the same conversion
 in one process (DeepSpeed's progress bars shown), verifies the checkpoint first, and says what the run needs to find
-the copy. An interrupted conversion leaves only ``*.partial`` behind and starts over when run again.
+the copy. An interrupted conversion leaves ``*.partial`` behind, and running the command again resumes it: the ZeRO
+shards and parameters done before are skipped.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ def convert_checkpoint(checkpoint_dir: Path, cache: Optional[Path] = None) -> st
     target = universal_location(checkpoint_dir, cache)
     if target.is_dir():
         return f"{checkpoint_dir}: already converted, in {target}"
-    convert_to_universal(checkpoint_dir, target, quiet=False)
+    progress = convert_to_universal(checkpoint_dir, target, quiet=False)
     where = f"in {target}"
+    if progress is not None and progress.resumed():
+        where += f" (resumed: {progress.summary()})"
     if cache is not None:
         where += f"; resume with {CACHE_ENV_VAR}={cache} set on every rank"
     return f"{checkpoint_dir}: converted {where}"

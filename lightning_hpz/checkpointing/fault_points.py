@@ -1,4 +1,5 @@
-"""Named points in the checkpoint commit where a test can kill the process, to prove every instant is recoverable.
+"""Named points in the checkpoint commit and the universal conversion where a test can kill the process, to prove
+every instant is recoverable.
 
 ``LIGHTNING_HPZ_FAULT_POINT=<name>`` makes the process kill itself with SIGKILL (no cleanup, no ``finally``: what a
 node failure or the scheduler's kill does) when it reaches that point. ``LIGHTNING_HPZ_FAULT_AT=<n>`` waits for the
@@ -23,6 +24,8 @@ COMMIT_POINTS = (
     "commit:old_moved_aside",  # two-rename commit only: no checkpoint at the path
     "commit:new_in_place",  # the new copy at the path, the old one not yet deleted
 )
+# a unit of the universal-format conversion (a shard extracted, a parameter merged) written, not yet recorded as done
+CONVERSION_ITEM_WRITTEN = "universal:item_written"
 
 _reached: Counter[str] = Counter()
 

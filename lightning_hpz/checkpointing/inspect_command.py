@@ -27,7 +27,9 @@ def checkpoint_main(argv: Sequence[str]) -> None:
     inspect.add_argument("checkpoint_dir", help="a .ckpt directory written by ModelCheckpoint under HpzStrategy")
     inspect.add_argument("--no-checksums", action="store_true", help="compare file sizes only (fast on large runs)")
     convert = commands.add_parser(
-        "convert", help="write the universal-format copy a resume on another number of ranks needs, ahead of the run"
+        "convert",
+        help="write the universal-format copy a resume on another number of ranks needs, ahead of the run (an "
+        "interrupted conversion resumes when run again)",
     )
     convert.add_argument("checkpoint_dir", help="a .ckpt directory written by ModelCheckpoint under HpzStrategy")
     convert.add_argument("--cache", help="write the copy here (a folder every rank sees), not inside the checkpoint")

@@ -6,26 +6,39 @@ world size. ``deepspeed.checkpoint.ds_to_universal`` merges the shards into one 
 step counters move exactly; the order of the data does not when the global batch changes (see ``DATA_ORDER_WARNING``).
 
 The converted copy lives in ``<ckpt>/universal`` (or, for a checkpoint that cannot be written, in the cache folder of
-:mod:`~lightning_hpz.checkpointing.universal_location`): written by rank 0 into ``universal.partial`` and renamed when
-complete, so an interrupted conversion is redone, a finished one reused. The other ranks wait for it in the job's
-key-value store, not in a collective: a 70B checkpoint converts for longer than the process group's timeout.
+:mod:`~lightning_hpz.checkpointing.universal_location`). Rank 0 writes it into ``universal.partial`` and renames it
+when complete, so a finished copy is reused. An interrupted conversion resumes: ``universal.partial`` keeps a record of
+each ZeRO shard extracted and each parameter merged
+(:mod:`~lightning_hpz.partitioning.resumable_conversion`), and the next attempt skips them. A 70B checkpoint does not
+lose hours to a preemption this way. ``universal.partial`` also records which checkpoint (and which DeepSpeed) it
+belongs to, and a partial copy of anything else is discarded. The other ranks wait for the copy in the job's key-value
+store, not in a collective: a 70B checkpoint converts for longer than the process group's timeout.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import itertools
+import json
+import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
+
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_hpz import collectives
 from lightning_hpz.checkpointing.errors import CheckpointMismatchError
-from lightning_hpz.checkpointing.manifest import DEEPSPEED_TAG, UNIVERSAL_DIR
+from lightning_hpz.checkpointing.fault_points import CONVERSION_ITEM_WRITTEN, fault_point
+from lightning_hpz.checkpointing.manifest import DEEPSPEED_TAG, MANIFEST_NAME, UNIVERSAL_DIR
 from lightning_hpz.checkpointing.universal_location import universal_location
+
+if TYPE_CHECKING:
+    from lightning_hpz.partitioning.resumable_conversion import ConversionProgress
 
 DATA_ORDER_WARNING = (
     "Resuming a checkpoint written on {saved} ranks on {current} ranks: weights, optimizer moments and step counters "
@@ -36,6 +49,9 @@ DATA_ORDER_WARNING = (
 
 CONVERSION_WAIT = timedelta(hours=24)  # how long the other ranks wait for rank 0's conversion
 _ASKED = itertools.count()
+# in the partial copy, beside DeepSpeed's output: what it is a copy of, and the record of each unit of work done
+SOURCE_RECORD = "conversion_source.json"
+WORK_RECORDS = "done"
 
 
 def universal_copy(checkpoint_dir: Path) -> Path:
@@ -74,28 +90,90 @@ def _outcome_of_rank_zero(failure: str, target: Path) -> str:
     return "" if outcome == "ok" else outcome
 
 
-def convert_to_universal(checkpoint_dir: Path, target: Path, quiet: bool = True) -> None:
+def convert_to_universal(checkpoint_dir: Path, target: Path, quiet: bool = True) -> Optional[ConversionProgress]:
+    """Convert into ``target``, resuming a conversion of the same checkpoint interrupted earlier. Returns its
+    :class:`~lightning_hpz.partitioning.resumable_conversion.ConversionProgress` (None: not resumable here)."""
     from deepspeed.checkpoint import ds_to_universal
 
+    from lightning_hpz.partitioning import resumable_conversion
+
     partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    _prepare_partial(partial, _source_of(checkpoint_dir), resumable_conversion.UNSUPPORTED_REASON)
     args = argparse.Namespace(
         input_folder=str(checkpoint_dir / DEEPSPEED_TAG),
         output_folder=str(partial / DEEPSPEED_TAG),
         num_extract_workers=1,  # in this process: a training rank should not fork worker pools
         num_merge_workers=1,
+        # DeepSpeed removes its fragments only once every parameter is merged: no later attempt needs them then
         keep_temp_folder=False,
         strict=True,
         inject_missing_state=True,  # Lightning's ZeRO-1/2 checkpoints lack the universal-info block
     )
-    target.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as output:
         if quiet:  # its progress bars show otherwise (the convert command)
             output.enter_context(contextlib.redirect_stdout(io.StringIO()))
             output.enter_context(contextlib.redirect_stderr(io.StringIO()))
+        records = partial / WORK_RECORDS
+        progress = output.enter_context(resumable_conversion.resumable_work(records, _report, _item_written))
         ds_to_universal.main(args)
+    shutil.rmtree(partial / WORK_RECORDS, ignore_errors=True)  # none when the conversion was not resumable
+    (partial / SOURCE_RECORD).unlink()
     (partial / "latest").write_text(DEEPSPEED_TAG)  # Lightning checks for it before handing the path to DeepSpeed
     partial.rename(target)
+    return progress
+
+
+def _prepare_partial(partial: Path, source: dict[str, str], unsupported: str) -> None:
+    """Keep a partial copy of this very checkpoint to resume it; discard any other, saying why."""
+    if unsupported:
+        _report(f"Universal conversion: not resumable here ({unsupported}); an interrupted one starts over")
+    if partial.exists():
+        why = _why_not_resumed(partial, source, unsupported)
+        if why:
+            _report(f"Universal conversion: discarding the partial copy {partial} ({why}); converting from the start")
+            shutil.rmtree(partial)
+        else:
+            _report(f"Universal conversion: resuming the interrupted conversion in {partial}")
+    partial.mkdir(parents=True, exist_ok=True)
+    temporary = partial / f"{SOURCE_RECORD}.tmp"
+    temporary.write_text(json.dumps(source))
+    os.replace(temporary, partial / SOURCE_RECORD)
+
+
+def _why_not_resumed(partial: Path, source: dict[str, str], unsupported: str) -> str:
+    recorded = partial / SOURCE_RECORD
+    if unsupported:
+        return "the installed DeepSpeed's conversion cannot resume"
+    try:
+        found = json.loads(recorded.read_text())
+    except (OSError, ValueError):
+        return "it records no source"
+    return "" if found == source else "it belongs to another checkpoint or DeepSpeed release"
+
+
+def _source_of(checkpoint_dir: Path) -> dict[str, str]:
+    """What a partial copy must have been converted from to be resumed: the checkpoint's manifest (it holds every
+    file's digest), or without one its shard files' names, sizes and times; and the DeepSpeed that converts it."""
+    import deepspeed
+
+    manifest = checkpoint_dir / MANIFEST_NAME
+    if manifest.is_file():
+        identity = manifest.read_bytes()
+    else:
+        shards = checkpoint_dir / DEEPSPEED_TAG  # what the conversion reads (the copy may be written beside it)
+        files = sorted(path for path in shards.rglob("*") if path.is_file())
+        listed = [[str(path.relative_to(shards)), path.stat().st_size, path.stat().st_mtime_ns] for path in files]
+        identity = json.dumps(listed).encode()
+    return {"checkpoint": hashlib.blake2b(identity, digest_size=16).hexdigest(), "deepspeed": deepspeed.__version__}
+
+
+def _report(line: str) -> None:
+    rank_zero_info(line)  # Lightning's handler, made at import: it writes to stderr even while DeepSpeed's is hidden
+
+
+def _item_written() -> None:
+    """Between a unit of work written and its record (module level: a worker pool pickles it)."""
+    fault_point(CONVERSION_ITEM_WRITTEN)
 
 
 # optimizers whose state the universal conversion carries completely (exp_avg and exp_avg_sq, and the step)

@@ -1,0 +1,147 @@
+"""An interrupted conversion to DeepSpeed's universal format resumes (issue 25): the rerun skips every ZeRO shard and
+parameter done before, and writes the copy an uninterrupted conversion writes, byte for byte. A partial copy of
+another checkpoint is discarded, not resumed. One launch (2 ranks, ZeRO-3) writes the checkpoints; every conversion
+runs in this process, except the one a SIGKILL ends (``lightning-hpz checkpoint convert``)."""
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import assert_succeeded, run_script
+
+from lightning_hpz.checkpointing import universal
+from lightning_hpz.checkpointing.convert_command import convert_checkpoint
+from lightning_hpz.checkpointing.fault_points import CONVERSION_ITEM_WRITTEN, FAULT_AT_ENV_VAR, FAULT_POINT_ENV_VAR
+from lightning_hpz.checkpointing.universal import WORK_RECORDS, convert_to_universal
+
+EXTRACT, MERGE = "extract_zero_shards_stage3", "merge_zero3_slices"  # DeepSpeed's item functions for ZeRO-3
+SHARDS, PARAMETERS = 2, 6  # 2 ranks; checkpoint_training.py's MLP: three Linear layers
+
+
+@pytest.fixture(scope="module")
+def checkpoints(module_tmp):
+    options = {"devices": 2, "ckpt_dir": str(module_tmp / "ckpts"), "jobs": [{"stage": 3, "max_steps": 4}]}
+    run = run_script("checkpoint_training.py", options, module_tmp / "write", timeout=300, ranks=2)
+    assert_succeeded(run, ranks=2)
+    return {step: module_tmp / "ckpts" / f"step={step}.ckpt" for step in (2, 4)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(checkpoints, module_tmp):
+    """Each checkpoint's copy, converted in one go: file name -> bytes."""
+    copies = {step: module_tmp / "uninterrupted" / f"step={step}" / "universal" for step in checkpoints}
+    for step, copy in copies.items():
+        convert_to_universal(checkpoints[step], copy)
+    return {step: _contents(copy) for step, copy in copies.items()}
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many items of each phase DeepSpeed ran in this process."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    counted = Counter()
+
+    def counting(name, original):
+        @functools.wraps(original)
+        def run_item(*args, **kwargs):
+            counted[name] += 1
+            return original(*args, **kwargs)
+
+        return run_item
+
+    for name in (EXTRACT, MERGE):
+        monkeypatch.setattr(ds_to_universal, name, counting(name, getattr(ds_to_universal, name)))
+    return counted
+
+
+@pytest.fixture
+def reported(monkeypatch):
+    lines = []
+    monkeypatch.setattr(universal, "_report", lines.append)
+    return lines
+
+
+def _interrupt(checkpoint: Path, target: Path, merges: int, monkeypatch) -> None:
+    """Convert ``checkpoint`` into ``target`` until an error stops it after ``merges`` parameters."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    merge, done = getattr(ds_to_universal, MERGE), []
+
+    @functools.wraps(merge)
+    def merge_then_stop(*args, **kwargs):
+        if len(done) == merges:
+            raise RuntimeError("interrupted")
+        done.append(merge(*args, **kwargs))
+
+    with monkeypatch.context() as patch, pytest.raises(RuntimeError, match="interrupted"):
+        patch.setattr(ds_to_universal, MERGE, merge_then_stop)
+        convert_to_universal(checkpoint, target)
+    assert len(list((target.with_name("universal.partial") / WORK_RECORDS / MERGE).glob("*.json"))) == merges
+
+
+@pytest.mark.multiprocess
+def test_a_killed_conversion_resumes_redoing_only_what_was_not_recorded(checkpoints, uninterrupted, calls, tmp_path):
+    convert = [sys.executable, "-m", "lightning_hpz.cli", "checkpoint", "convert", str(checkpoints[2])]
+    convert += ["--cache", str(tmp_path)]
+    # SIGKILLed once the 6th item is written: 2 shards and 3 parameters recorded, the 4th parameter not recorded
+    env = {**os.environ, FAULT_POINT_ENV_VAR: CONVERSION_ITEM_WRITTEN, FAULT_AT_ENV_VAR: str(SHARDS + 4)}
+    killed = subprocess.run(convert, env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    (partial,) = tmp_path.glob("*.partial")
+    recorded = {phase: len(list((partial / WORK_RECORDS / phase).glob("*.json"))) for phase in (EXTRACT, MERGE)}
+    assert recorded == {EXTRACT: SHARDS, MERGE: 3}
+
+    message = convert_checkpoint(checkpoints[2], tmp_path)
+    assert calls == {MERGE: PARAMETERS - 3}  # no shard extracted again; the unrecorded 4th parameter merged again
+    assert f"resumed: {SHARDS} of {SHARDS} ZeRO shards and 3 of {PARAMETERS} parameters were done before" in message
+    (copy,) = tmp_path.iterdir()
+    assert copy.name == partial.name.removesuffix(".partial")
+    assert _contents(copy) == uninterrupted[2]
+
+
+@pytest.mark.multiprocess
+def test_a_partial_copy_of_another_checkpoint_is_discarded(
+    checkpoints, uninterrupted, calls, reported, tmp_path, monkeypatch
+):
+    # a checkpoint rewritten at its path (or a copy moved) finds step 2's partial copy where step 4's copy goes
+    _interrupt(checkpoints[2], tmp_path / "universal", 2, monkeypatch)
+    calls.clear()
+    progress = convert_to_universal(checkpoints[4], tmp_path / "universal")
+    assert calls == {EXTRACT: SHARDS, MERGE: PARAMETERS} and not progress.resumed()
+    assert any("belongs to another checkpoint" in line for line in reported), reported
+    assert _contents(tmp_path / "universal") == uninterrupted[4]
+
+
+@pytest.mark.multiprocess
+def test_a_converter_that_cannot_resume_converts_from_the_start(
+    checkpoints, uninterrupted, calls, reported, tmp_path, monkeypatch
+):
+    from lightning_hpz.partitioning import resumable_conversion
+
+    _interrupt(checkpoints[2], tmp_path / "universal", 2, monkeypatch)
+    monkeypatch.setattr(resumable_conversion, "UNSUPPORTED_REASON", "DeepSpeed 9.9 has no `ds_to_universal.main`")
+    calls.clear()
+    assert convert_to_universal(checkpoints[2], tmp_path / "universal") is None
+    assert calls == {EXTRACT: SHARDS, MERGE: PARAMETERS}
+    assert any("DeepSpeed 9.9 has no" in line for line in reported), reported
+    assert _contents(tmp_path / "universal") == uninterrupted[2]
+
+
+def test_a_converter_with_other_parameters_is_named(monkeypatch):
+    from deepspeed.checkpoint import ds_to_universal
+
+    from lightning_hpz.partitioning import resumable_conversion
+
+    assert resumable_conversion.UNSUPPORTED_REASON == ""  # the installed DeepSpeed's converter resumes
+    monkeypatch.setattr(ds_to_universal, MERGE, lambda dp_degree, folder, slice_dir, name: None)
+    assert f"ds_to_universal.{MERGE}" in resumable_conversion._unsupported_reason()
