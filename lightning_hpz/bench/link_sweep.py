@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_hpz.bench.results import number, timing_cells
+
 BYTES_TOLERANCE = 0.05  # measured cross-node bytes must lie within 5% of the planner's (issue 29)
 MIB = 2**20
 
@@ -106,19 +108,15 @@ def _speed_table(results: dict[str, Any]) -> list[str]:
     ]
     for name, s in results["configurations"].items():
         check = agreement["configurations"][name]
-        q1, q3 = s["step_time_iqr_s"]
         cells = [
             name,
-            f"{s['step_time_median_s']:.3f}",
-            f"{q1:.3f}-{q3:.3f}",
-            _number(s.get("link_bound_step_s"), "{:.3f}"),
-            _number(s.get("predicted_link_bound_step_s"), "{:.3f}"),
+            *timing_cells(s),
             f"{s['cross_node_bytes_per_rank_step'] / 1e6:.3f}",
-            _number(s.get("predicted_cross_node_bytes_per_rank_step"), "{:.3f}", 1e-6),
-            _number(s.get("measured_over_predicted"), "{:.3f}"),
+            number(s.get("predicted_cross_node_bytes_per_rank_step"), "{:.3f}", 1e-6),
+            number(s.get("measured_over_predicted"), "{:.3f}"),
             f"{check['max_difference']:.1e} ({check['tolerance']:.1e}, {'ok' if check['agrees'] else 'NO'})",
-            _number(s.get("predicted_model_state_bytes_per_rank"), "{:.1f}", 1 / MIB),
-            _number(s.get("peak_rss_bytes_per_rank"), "{:.0f}", 1 / MIB),
+            number(s.get("predicted_model_state_bytes_per_rank"), "{:.1f}", 1 / MIB),
+            number(s.get("peak_rss_bytes_per_rank"), "{:.0f}", 1 / MIB),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [f"| {name} | failed: {reason} |" + " |" * 9 for name, reason in results["failed"].items()]
@@ -135,13 +133,9 @@ def _step_time_overview(per_speed: list[dict[str, Any]]) -> list[str]:
         "|---|" + "---|" * len(bandwidths),
     ]
     for name in names:
-        cells = [_number(r["configurations"].get(name, {}).get("step_time_median_s"), "{:.3f}") for r in per_speed]
+        cells = [number(r["configurations"].get(name, {}).get("step_time_median_s"), "{:.3f}") for r in per_speed]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
-
-
-def _number(value: Optional[float], form: str, scale: float = 1.0) -> str:
-    return "-" if value is None else form.format(value * scale)
 
 
 def write_chart(per_speed: list[dict[str, Any]], path: Path) -> None:

@@ -154,25 +154,33 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _table_cells(name: str, s: dict[str, Any], agreement: dict[str, Any]) -> list[str]:
+def timing_cells(s: dict[str, Any]) -> list[str]:
+    """Median step time, its IQR, and the measured and predicted link-bound seconds of one configuration."""
     q1, q3 = s["step_time_iqr_s"]
     return [
-        name,
         f"{s['step_time_median_s']:.3f}",
         f"{q1:.3f}-{q3:.3f}",
-        _number(s.get("link_bound_step_s"), "{:.3f}"),
-        _number(s.get("predicted_link_bound_step_s"), "{:.3f}"),
+        number(s.get("link_bound_step_s"), "{:.3f}"),
+        number(s.get("predicted_link_bound_step_s"), "{:.3f}"),
+    ]
+
+
+def _table_cells(name: str, s: dict[str, Any], agreement: dict[str, Any]) -> list[str]:
+    return [
+        name,
+        *timing_cells(s),
         f"{s['tokens_per_s']:.0f}",
         f"{s['cross_node_bytes_per_step'] / 1e6:.2f}",
         f"{s['cross_node_bytes_per_rank_step'] / 1e6:.3f}",
-        _number(s.get("predicted_cross_node_bytes_per_rank_step"), "{:.3f}", scale=1e-6),
-        _number(s.get("measured_over_predicted"), "{:.3f}"),
+        number(s.get("predicted_cross_node_bytes_per_rank_step"), "{:.3f}", scale=1e-6),
+        number(s.get("measured_over_predicted"), "{:.3f}"),
         f"{s['final_loss']:.4f}",
         f"{'yes' if agreement['agrees'] else 'NO'} ({agreement['expected']}, {agreement['max_difference']:.1e})",
     ]
 
 
-def _number(value: Optional[float], form: str, scale: float = 1.0) -> str:
+def number(value: Optional[float], form: str, scale: float = 1.0) -> str:
+    """``value`` formatted (times ``scale``), or '-' where there is none."""
     return "-" if value is None else form.format(value * scale)
 
 
