@@ -54,7 +54,10 @@ def committed_save(final: Path, run: dict[str, Any]) -> Iterator[Path]:
             shutil.rmtree(staging)  # left by a run that crashed while saving
         staging.parent.mkdir(parents=True, exist_ok=True)
     collectives.barrier()
-    check_one_folder_for_all_ranks(staging.parent)  # node-local disks: refused now, not at the resume
+    # node-local disks: refused now, not at the resume. The refusal names the folder the user chose (ModelCheckpoint's
+    # dirpath): on the two-node testbed it named the hidden staging folder inside it, which no setting mentions. The
+    # token stays in that hidden folder, so a crash before it is deleted leaves nothing beside the checkpoints.
+    check_one_folder_for_all_ranks(final.parent, probe_dir=staging.parent)
     writer_lock.claim_for_this_job(final.parent)  # another job writing here would delete this one's checkpoints
     yield staging
     collectives.barrier()  # every rank's files are complete

@@ -13,6 +13,7 @@ import contextlib
 import secrets
 import socket
 from pathlib import Path
+from typing import Optional
 
 from lightning_hpz import collectives
 from lightning_hpz.checkpointing.errors import CheckpointStorageError
@@ -21,15 +22,16 @@ PROBE_NAME = ".hpz-shared-folder-probe"
 _checked: set[str] = set()
 
 
-def check_one_folder_for_all_ranks(folder: Path) -> None:
+def check_one_folder_for_all_ranks(folder: Path, probe_dir: Optional[Path] = None) -> None:
     """Raise :class:`CheckpointStorageError` on every rank when some rank does not see what rank 0 writes in ``folder``.
 
-    Collective; once per folder and process. ``folder`` must exist on rank 0.
+    Collective; once per folder and process. The token goes into ``probe_dir`` (a folder inside ``folder``; default
+    ``folder`` itself), which must exist on rank 0; the error names ``folder``.
     """
     key = str(Path(folder).resolve())
     if key in _checked or not collectives.is_distributed():
         return
-    probe = Path(folder) / PROBE_NAME
+    probe = Path(probe_dir if probe_dir is not None else folder) / PROBE_NAME
     token = secrets.token_hex(8) if collectives.rank() == 0 else None
     if token is not None:
         probe.write_text(token)
