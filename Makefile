@@ -13,8 +13,12 @@ quickstart: install
 
 # the test suite; pytest's own exit code (5 = no tests ran) fails the target. Real multi-process DeepSpeed tests run
 # either way; the longest launches (marker `slow`) only where CI is set, as on CI: `CI=true make test` runs everything.
+# Two test files at a time (pytest-xdist, `--dist loadfile`: a file's tests and its module fixtures, most of them
+# launches of several processes, stay on one worker): a launch spends much of its time waiting (process start-up,
+# rendezvous, shaped links, timeouts under test), which the other file's work fills. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 test: install
-	$(PYTHON) -m pytest tests $(if $(CI),,-m "not slow") --durations=25
+	$(PYTHON) -m pytest tests $(if $(CI),,-m "not slow") -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 lint:
 	ruff check lightning_hpz tests benchmarks examples
