@@ -2,8 +2,10 @@
 
 Two launches of tests/scripts/fabric_checkpoints.py (ZeRO-3, real DeepSpeed over gloo). The first (2 CPU ranks) saves
 and loads back, is refused a damaged copy, and is killed (the whole job, SIGKILL) at a commit fault point of its third
-save, after the manifest of the new copy was written and before anything moved. The second loads what was left on one
-rank: through DeepSpeed's universal format, as a resume on another number of ranks does.
+save, after the manifest of the new copy was written and before anything moved. Between the launches the test moves
+its first checkpoint aside as a commit killed between its two renames leaves it. The second launch, on one rank,
+loads what the kill left (through DeepSpeed's universal format, as a resume on another number of ranks does) and then
+the checkpoint moved aside, by its path.
 """
 
 import signal
@@ -11,7 +13,7 @@ import signal
 import pytest
 from conftest import assert_succeeded, run_script
 
-from lightning_hpz.checkpointing.commit import STAGING_FOLDER, staging_path
+from lightning_hpz.checkpointing.commit import STAGING_FOLDER, replaced_path, staging_path
 from lightning_hpz.checkpointing.fault_points import FAULT_AT_ENV_VAR, FAULT_POINT_ENV_VAR, FAULT_SCOPE_ENV_VAR
 from lightning_hpz.checkpointing.manifest import complete_manifest, read_manifest, verify_files
 from lightning_hpz.checkpointing.writer_lock import LOCK_NAME
@@ -41,10 +43,15 @@ def launches(module_tmp):
     first = run_script("fabric_checkpoints.py", options, root / "first", env=KILL, ranks=RANKS)
     assert first.returncode == -signal.SIGKILL, first.output[-4000:]  # the fault point killed the job
     assert sorted(first.ranks) == [0, 1], first.output[-4000:]
+    saved, last = root / "saved", root / "run" / "last"
     left = {
-        "last": _verified_step(root / "run" / "last"),
-        "staged": complete_manifest(staging_path(root / "run" / "last")),
+        "a": _verified_step(saved / "a"),
+        "staged_in_saved": (saved / STAGING_FOLDER).exists(),
+        "last": _verified_step(last),
+        "staged": complete_manifest(staging_path(last)),
     }
+    replaced_path(saved / "a").parent.mkdir(exist_ok=True)
+    (saved / "a").rename(replaced_path(saved / "a"))  # the old copy aside, the new one never staged
     options = {"phase": "after_kill", "root": str(root), "devices": 1}
     second = run_script("fabric_checkpoints.py", options, root / "second", ranks=1)
     assert_succeeded(second, ranks=1)
@@ -52,17 +59,16 @@ def launches(module_tmp):
 
 
 def test_save_commits_with_a_manifest_and_load_restores_exactly(launches):
-    root, first, _, _ = launches
-    saved = root / "saved"
-    assert _verified_step(saved / "a") == 2  # the engine's step counter, recorded in the manifest
-    assert not (saved / STAGING_FOLDER).exists()  # every save there completed: nothing staged is left
+    root, first, left, _ = launches
+    assert left["a"] == 2  # the engine's step counter, recorded in the manifest
+    assert not left["staged_in_saved"]  # every save there completed: nothing staged is left
     for rank in range(RANKS):
         record = first.ranks[rank]
         assert record["exact"], rank  # weight shards, fp32 master partitions, Adam's state, engine step: equal
         assert record["loaded_step"] == 2
         assert record["remainder"] == ["note"]  # what the state did not ask for comes back, as in Lightning
         assert "filter" in record["filter_refusal"]  # Lightning's refusal, before anything was written
-    assert not (saved / "refused").exists()
+    assert not (root / "saved" / "refused").exists()
 
 
 def test_a_damaged_shard_is_refused_alike_on_every_rank(launches):
@@ -83,8 +89,15 @@ def test_a_save_killed_while_committing_leaves_the_previous_checkpoint(launches)
     # converted from 2 ranks to 1 with the weights exact: rank 0's batch of step 3 has the loss it had before the kill
     assert resumed["losses"]["3"] == first.ranks[0]["losses"]["3"]
     assert "Resuming a checkpoint written on 2 ranks on 1 ranks" in second.output
-    assert not (root / "run" / "last" / "universal").exists()  # went with the copy the next save replaced
-    # the next save of that path cleared the staged copy, committed, and teardown released the folder
+    # the next save of that path cleared the staged copy and committed; teardown released the folder
     assert _verified_step(root / "run" / "last") == 4
+    assert not (root / "run" / "last" / "universal").exists()  # went with the copy that save replaced
     assert not (root / "run" / STAGING_FOLDER).exists()
     assert not (root / "run" / LOCK_NAME).exists()
+
+
+def test_a_commit_caught_between_its_renames_is_repaired_before_the_load(launches):
+    root, _, _, second = launches
+    assert second.ranks[0]["repaired_step"] == 2  # rolled back to the copy moved aside, then loaded
+    assert _verified_step(root / "saved" / "a") == 2
+    assert not replaced_path(root / "saved" / "a").exists()

@@ -5,8 +5,9 @@ would). Phase ``"first"``: train 2 steps and save ``saved/a``; load it into a fr
 rank's weight shards, optimizer state and step counter with those saved; refuse ``fabric.save(..., filter=...)``;
 load a copy of ``a`` with one shard damaged (refused on every rank); train on, save ``run/last`` at step 3, train step
 3, and save ``run/last`` again, which the test kills at a commit fault point (``LIGHTNING_HPZ_FAULT_POINT``). Phase
-``"after_kill"``, on ``devices`` ranks: load ``run/last``, train step 3 again and save. The checkpoints live under
-``root``; each rank writes ``rank<r>.json`` into ``out`` (the first phase before the save that is killed).
+``"after_kill"``, on ``devices`` ranks: load ``run/last``, train step 3 again and save; then load ``saved/a``, which
+the test left as a commit killed between its two renames leaves it. The checkpoints live under ``root``; each rank
+writes ``rank<r>.json`` into ``out`` (the first phase before the save that is killed).
 """
 
 import json
@@ -101,6 +102,9 @@ def after_kill_phase(fabric: L.Fabric, root: Path, record: dict) -> None:
     record.update(loaded_step=state["step"], engine_step=engine_step)
     record["losses"] = {3: train_step(fabric, model, optimizer, 3)}
     fabric.save(root / "run" / "last", {"model": model, "optimizer": optimizer, "step": 4})
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(root / "saved" / "a", state)  # missing at its path: repaired first
+    record["repaired_step"] = state["step"]
 
 
 def write(out: Path, fabric: L.Fabric, record: dict) -> None:
