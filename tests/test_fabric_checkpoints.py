@@ -68,6 +68,7 @@ def test_save_commits_with_a_manifest_and_load_restores_exactly(launches):
         assert record["loaded_step"] == 2
         # as in Lightning: what the state did not ask for comes back (beside DeepSpeed's own keys), what it did not
         assert "note" in record["remainder"] and "step" not in record["remainder"]
+        assert f"checkpoint/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in record["verified_in_load"]
         assert "filter" in record["filter_refusal"]  # Lightning's refusal, before anything was written
     assert not (root / "saved" / "refused").exists()
 

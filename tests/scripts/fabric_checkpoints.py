@@ -73,6 +73,7 @@ def first_phase(fabric: L.Fabric, root: Path, out: Path, record: dict) -> None:
     state = {"model": model, "optimizer": optimizer, "step": 0}
     remainder = fabric.load(root / "saved" / "a", state)
     record.update(loaded_step=state["step"], remainder=sorted(remainder), exact=same(saved, held_state(model)))
+    record["verified_in_load"] = fabric.strategy.files_verified_in_load  # checked again from the bytes loaded
 
     if fabric.global_rank == 0:  # a copy beside `a` with one byte of one shard flipped, sizes unchanged
         shutil.copytree(root / "saved" / "a", root / "saved" / "damaged")
