@@ -7,10 +7,14 @@ from typing import Any, Optional
 _SHAPES_SHOWN = 3
 
 
-def describe_run(strategy: Any, global_step: Optional[int] = None, epoch: Optional[int] = None) -> dict[str, Any]:
-    """The facts a checkpoint records about the run that wrote it, and a resume compares against."""
-    module = strategy.lightning_module
-    engine = strategy.model
+def describe_run(
+    strategy: Any, module: Any, engine: Any, global_step: Optional[int] = None, epoch: Optional[int] = None
+) -> dict[str, Any]:
+    """The facts a checkpoint records about the run that wrote it, and a resume compares against.
+
+    ``module`` is the model whose parameters are recorded by name (the Trainer's LightningModule, the model a Fabric
+    loop set up) and ``engine`` the DeepSpeed engine that saves or loads it (Fabric may hold several).
+    """
     optimizer = getattr(engine, "basic_optimizer", None)  # the user's optimizer, inside DeepSpeed's ZeRO wrapper
     decision = getattr(strategy, "autotune_decision", None)
     return {

@@ -24,8 +24,12 @@ NO_MANIFEST_WARNING = (
 )
 
 
-def prepare_load(strategy: Any, checkpoint_path: Any) -> tuple[Path, contextlib.AbstractContextManager]:
-    """The directory DeepSpeed should load, and the context to load it in; raises on every rank if it must not."""
+def prepare_load(
+    strategy: Any, checkpoint_path: Any, module: Any, engine: Any, keep_data_order: bool
+) -> tuple[Path, contextlib.AbstractContextManager]:
+    """The directory DeepSpeed should load into ``engine``, and the context to load it in; raises on every rank if it
+    must not. ``module`` holds the parameters by the names the manifest records (see ``compatibility.describe_run``);
+    ``keep_data_order``: the resume must repeat the data order, so another number of ranks is refused."""
     path = Path(checkpoint_path)
     load_repair.repair_before_load(path)  # a path caught between the two renames of its commit exists again
     # Lightning's own check first: a wrong path gets its guidance (a subfolder or a file inside a checkpoint: "try
@@ -38,24 +42,23 @@ def prepare_load(strategy: Any, checkpoint_path: Any) -> tuple[Path, contextlib.
     else:
         verify_integrity(path, recorded)
         saved = recorded["run"]
-    current = compatibility.describe_run(strategy)
+    current = compatibility.describe_run(strategy, module, engine)
     refuse_mismatches(path, saved, current, strategy)
     if saved.get("world_size") in (None, current["world_size"]):
-        return path, _verifying_reads(strategy, path, recorded)
-    refuse_inexact_resize(path, saved["world_size"], current["world_size"], strategy)
+        return path, _verifying_reads(strategy, engine, path, recorded)
+    refuse_inexact_resize(path, saved["world_size"], current["world_size"], keep_data_order)
     refuse_unconvertible_optimizer(path, saved)
     rank_zero_warn(universal.DATA_ORDER_WARNING.format(saved=saved["world_size"], current=current["world_size"]))
-    return universal.universal_copy(path), _universal_resume(strategy.deepspeed_engine, saved.get("param_groups"))
+    return universal.universal_copy(path), _universal_resume(engine, saved.get("param_groups"))
 
 
 @contextlib.contextmanager
-def _verifying_reads(strategy: Any, path: Path, recorded: Any) -> Iterator[None]:
-    """Each file DeepSpeed reads is checked again from the bytes it loads (the check above read them by path); the
-    strategy's ``files_verified_in_load`` then names them, in the order they were read."""
+def _verifying_reads(strategy: Any, engine: Any, path: Path, recorded: Any) -> Iterator[None]:
+    """Each file DeepSpeed reads into ``engine`` is checked again from the bytes it loads (the check above read them
+    by path); the strategy's ``files_verified_in_load`` then names them, in the order they were read."""
     from lightning_hpz.partitioning import verifying_reads
 
     sizes = {name: int(entry["size"]) for name, entry in recorded["files"].items()} if recorded else None
-    engine = getattr(strategy, "deepspeed_engine", None)
     with verifying_reads(engine, path, sizes, functools.partial(_check_loaded_bytes, path, recorded)) as reads:
         yield
     strategy.files_verified_in_load = reads.verified if reads is not None else []
@@ -94,12 +97,10 @@ def refuse_unconvertible_optimizer(path: Path, saved: dict[str, Any]) -> None:
         )
 
 
-def refuse_inexact_resize(path: Path, saved: int, current: int, strategy: Any) -> None:
-    """Under ``exact_resume=True`` resuming training on another number of ranks is refused: its data order cannot
-    repeat. Evaluation (``validate``/``test``/``predict`` from a checkpoint) has no order to keep."""
-    trainer = getattr(getattr(strategy, "lightning_module", None), "_trainer", None)
-    fitting = trainer is not None and trainer.state.fn == "fit"
-    if fitting and getattr(strategy, "exact_resume", False):
+def refuse_inexact_resize(path: Path, saved: int, current: int, keep_data_order: bool) -> None:
+    """A resume that must repeat the data order (the Trainer's ``fit`` under ``exact_resume=True``) cannot on another
+    number of ranks. Evaluation from a checkpoint has no order to keep, and a Fabric loop owns its own."""
+    if keep_data_order:
         raise CheckpointMismatchError(
             f"Cannot resume {path} exactly: it was written on {saved} ranks and this run has {current}, so each global "
             f"batch would hold {current} per-rank batches instead of {saved} and the data order from here on would "

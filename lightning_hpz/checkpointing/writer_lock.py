@@ -3,12 +3,14 @@
 Two jobs saving into one folder delete each other's staged copies (a save clears what it finds in staging), number
 their preemption checkpoints from the same ``hpc_ckpt_<N>`` and retire each other's, and a manifest can then vouch for
 a mix. Rank 0 claims the folder at its first save with ``.hpz-writer.json`` (job, host, process, time) and releases
-it at teardown. A claim by the same job (a requeued SLURM job, a restarted torchrun job) is taken over, as is one
-left on this host by a process that no longer exists; any other is refused with what to do.
+it at teardown, or when the process exits (a Fabric script may never call teardown). A claim by the same job (a
+requeued SLURM job, a restarted torchrun job) is taken over, as is one left on this host by a process that no longer
+exists; any other is refused with what to do.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -109,10 +111,13 @@ def claim_for_this_job(folder: Path) -> None:
     refusal = collectives.broadcast_object(refusal)
     if refusal is not None:
         raise CheckpointStorageError(refusal)
+    if not _claimed:
+        atexit.register(release_all)  # a Fabric script may never call teardown
     _claimed[key] = lock or Path(folder) / LOCK_NAME
 
 
 def release_all() -> None:
-    """At teardown: give up every folder this process claimed."""
+    """At teardown (or exit): give up every folder this process claimed."""
+    atexit.unregister(release_all)
     while _claimed:
         release(_claimed.popitem()[1])

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
+from lightning.fabric.strategies.deepspeed import _get_deepspeed_engines_from_state
 from lightning.fabric.utilities.seed import reset_seed
 from typing_extensions import override
 
 from lightning_hpz import partitioning
+from lightning_hpz.checkpointing import commit, compatibility, resume, writer_lock
 from lightning_hpz.lifecycle.polled_preemption import PolledPreemption
 from lightning_hpz.strategy import separate_optimizer_setup
 from lightning_hpz.strategy.accumulate_until_step import ACCUMULATE_UNTIL_STEP, AccumulateUntilStep
@@ -34,6 +37,10 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     the next ``fabric.backward``. Call ``fabric.strategy.teardown()`` when done: Fabric never calls it itself, and
     it undoes what setup installed in DeepSpeed.
 
+    ``fabric.save`` commits a checkpoint as the Trainer's strategy does (staging folder, integrity manifest, rename)
+    and ``fabric.load`` verifies it first, refusing a damaged or incompatible one alike on every rank and converting
+    one written on another number of ranks (docs/checkpoints.md, "Fabric").
+
     Unlike Lightning's DeepSpeed strategy, it also runs loops written for FSDP-style strategies (LitGPT's among them):
     ``fabric.setup(model)`` then ``fabric.setup_optimizers(optimizer)`` builds the engine at the second call;
     ``fabric.clip_gradients(..., max_norm=...)`` clips by the global norm inside the next step (the returned tensor
@@ -45,7 +52,8 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
     # Fabric internals relied on (lightning/fabric/strategies/deepspeed.py, connector.py; Lightning 2.6): the connector
     # calls `_configure_launcher` before launch; `_setup_distributed`, `_init_deepspeed_distributed`,
-    # `_initialize_engine`, `_format_config`/`_config_initialized` and `_deepspeed_engine` are overridden or read.
+    # `_initialize_engine`, `_format_config`/`_config_initialized` and `_deepspeed_engine` are overridden or read;
+    # `_get_deepspeed_engines_from_state` finds the engine a save or load is about, as Lightning's own does.
     _lightning_deepspeed_strategy = DeepSpeedStrategy
 
     _deferred: Optional[DeferredEngine] = None  # the latest from setup_module
@@ -276,14 +284,26 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         return optimizer is zero_optimizer or optimizer is getattr(zero_optimizer, "optimizer", None)
 
     @override
-    def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None, filter: Optional[Any] = None
+    ) -> None:
+        """Lightning's sharded save, committed as the Trainer's is (checkpointing/commit.py): written into a staging
+        folder beside ``path``, checksummed into ``hpz_manifest.json``, and moved to ``path`` once complete."""
         self._built_deferred_engine()
         # the loop's optimizer stands for the ZeRO optimizer, whose state the engine saves itself (sharded); Lightning
         # leaves only the ZeRO optimizer out of the client state
         engine_optimizer = getattr(self._deepspeed_engine, "optimizer", None)
         state = {key: engine_optimizer if self._is_engine_optimizer(value) else value for key, value in state.items()}
-        super().save_checkpoint(path, state, *args, **kwargs)
-        self.committed_checkpoint = str(path)  # saved (not committed atomically under Fabric); named on a lost peer
+        engine = _engine_in(state)
+        if engine is None or storage_options is not None or filter is not None:
+            # refused by Lightning, with its own message, before anything is written
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            return
+        path = Path(self.broadcast(path))
+        run = compatibility.describe_run(self, engine.module, engine, global_step=engine.global_steps)
+        with commit.committed_save(path, run) as staging:
+            super().save_checkpoint(staging, state)
+        self.committed_checkpoint = str(path)  # named if a lost peer ends the run (peer_watchdog.py)
 
     @override
     def setup_environment(self) -> None:
@@ -307,6 +327,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         self._close_open_writes()
         if self._preemption is not None:  # the handlers in place before set-up are back
             self._preemption.uninstall()
+        writer_lock.release_all()  # the checkpoint folders this run claimed are free for the next job
         super().teardown()
 
     @override
@@ -320,11 +341,27 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
+        """Lightning's load; a sharded checkpoint is first verified against its manifest, compared with this run and,
+        written on another number of ranks, converted (checkpointing/resume.py), every refusal the same on all ranks.
+        A single file (``load_full_weights``, ``fabric.load_raw``) is Lightning's alone."""
         self._built_deferred_engine()
-        remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+        engine = _engine_in(state) if state else None
+        loading: AbstractContextManager = nullcontext()
+        if engine is not None and not (self.load_full_weights and self.zero_stage_3):
+            # A Fabric loop owns its data order (no `exact_resume`): another number of ranks is converted, warned about.
+            path, loading = resume.prepare_load(self, path, engine.module, engine, keep_data_order=False)
+        with loading:
+            remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
         if self._deepspeed_engine is not None:
             self._after_weights_changed()
         return remainder
+
+
+def _engine_in(state: Any) -> Optional[Any]:
+    """The DeepSpeed engine a ``fabric.save``/``fabric.load`` state holds, found as Lightning finds it; None where
+    Lightning refuses the state (no engine, several) or does not load into an engine (a module or optimizer alone)."""
+    engines = _get_deepspeed_engines_from_state(state) if isinstance(state, dict) else []
+    return engines[0] if len(engines) == 1 else None
 
 
 def _no_model_waits_for_an_optimizer(deferred: Optional[DeferredEngine], owners: int) -> str:

@@ -273,7 +273,8 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
         filepath = self.broadcast(filepath)
         stream_position.gather_rank_positions(checkpoint, collectives.all_gather_object)  # each rank's own stream
-        run = compatibility.describe_run(self, checkpoint.get("global_step"), checkpoint.get("epoch"))
+        step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
+        run = compatibility.describe_run(self, self.lightning_module, self.model, step, epoch)
         started = time.monotonic()
         with commit.committed_save(Path(filepath), run) as staging:  # visible at `filepath` once complete
             super().save_checkpoint(checkpoint, staging, storage_options)
@@ -298,7 +299,9 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         loading = contextlib.nullcontext()
         if not (self.load_full_weights and self.zero_stage_3):  # a single-file checkpoint: Lightning loads it
-            checkpoint_path, loading = resume.prepare_load(self, checkpoint_path)
+            checkpoint_path, loading = resume.prepare_load(
+                self, checkpoint_path, self.lightning_module, self.model, keep_data_order=self._fits_exactly()
+            )
         with loading, partitioning.optimizer_less_checkpoint_load(self.model):
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         # Lightning's loops would replay an epoch-end checkpoint as a finished epoch plus one batch (see the module).
@@ -308,6 +311,11 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
             random_layers.warn_if_resume_draws_random_numbers(self.lightning_module)
         self._after_weights_changed()
         return checkpoint
+
+    def _fits_exactly(self) -> bool:
+        """Whether the resume must repeat the data order: ``fit`` under ``exact_resume`` (evaluation has none)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return self.exact_resume and trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
