@@ -1,9 +1,10 @@
 """Checkpoints you can trust and move, on real DeepSpeed over gloo with a plain MLP (not one of the package's models).
 
-Three launches share the work: 4 ranks (ZeRO-3, hpZ 2) write checkpoints at steps 2 and 4 and rank 1 is killed while
-writing its optimizer shard at step 6; 2 ranks then meet damaged copies (each refused, the same way on every rank),
-resume ``ckpt_path="last"`` from the 4-rank checkpoint, and write ZeRO-2 checkpoints; 4 ranks resume those 2-rank
-checkpoints. Weights resumed on the new world size are compared with the consolidated checkpoint, bit for bit.
+Three launches share the work: 4 ranks write ZeRO-1 and ZeRO-2 checkpoints, then (ZeRO-3, hpZ 2) checkpoints at
+steps 2 and 4, and rank 1 is killed while writing its optimizer shard at step 6; 2 ranks then meet damaged copies
+(each refused, the same way on every rank), resume ``ckpt_path="last"`` and the ZeRO-1 and ZeRO-2 checkpoints from 4
+ranks, and write ZeRO-1 and ZeRO-2 checkpoints; 4 ranks resume those 2-rank checkpoints. Weights resumed on the new
+world size are compared with the consolidated checkpoint, bit for bit, and Adam's moments with those saved.
 """
 
 import math
@@ -35,7 +36,11 @@ REFUSED_JOBS = ["model_states", "optimizer_shard", "truncated_shard", "stage_cha
 def written(module_tmp):
     """4 ranks write checkpoints at steps 2 and 4; rank 1 dies half-way through its shard at step 6."""
     job = {"stage": 3, "hpz": 2, "max_steps": 8, "kill_rank": 1, "kill_step": 6, "moments": True}
-    options = {"devices": 4, "ckpt_dir": str(module_tmp / "ckpts"), "jobs": [job]}
+    # first, ZeRO-1 and ZeRO-2 checkpoints on 4 ranks for the 2-rank resizes (the killed job must come last)
+    writers = [
+        {"stage": k, "max_steps": 4, "ckpt_dir": str(module_tmp / f"ckpts4_stage{k}"), "moments": True} for k in (1, 2)
+    ]
+    options = {"devices": 4, "ckpt_dir": str(module_tmp / "ckpts"), "jobs": [*writers, job]}
     run = run_script("checkpoint_training.py", options, module_tmp / "write", timeout=400, ranks=4)
     ckpts = module_tmp / "ckpts"
     # what a restarted job finds, before the later launches write into the same directory
@@ -83,6 +88,11 @@ def moved_down(written, module_tmp):
     jobs.append({**resize, "max_steps": 8, "ckpt_path": "last", "moments": True})
     jobs.append({"stage": 2, "max_steps": 4, "ckpt_dir": str(module_tmp / "ckpts_stage2"), "moments": True})
     jobs.append({"stage": 1, "max_steps": 4, "ckpt_dir": str(module_tmp / "ckpts_stage1"), "moments": True})
+    for stage in (1, 2):  # 4 -> 2 ranks under ZeRO-1 and ZeRO-2 (jobs 8 and 9)
+        source = str(module_tmp / f"ckpts4_stage{stage}" / "step=4.ckpt")
+        jobs.append(
+            {**resize, "stage": stage, "max_steps": 6, "ckpt_path": source, "ckpt_dir": scratch, "moments": True}
+        )
     jobs.append({"stage": 3, "max_steps": 8, "ckpt_path": str(ckpts / "step=4.ckpt"), "ckpt_dir": scratch})
     options = {"devices": 2, "ckpt_dir": str(ckpts), "jobs": jobs}
     return run_script("checkpoint_training.py", options, module_tmp / "down", timeout=500, ranks=2), copies
@@ -193,7 +203,21 @@ def test_four_to_two_ranks_resumes_identical_weights_and_trains(written, moved_d
     assert all(rank_jobs[resumed_job]["weight_decay"] == [0.1, 0.0] for rank_jobs in jobs)
     # ZeRO-3 + hpZ 2 on 4 ranks to ZeRO-3 on 2: the optimizer state is carried exactly, not only the weights
     _assert_moments_match(module_tmp / "down" / f"moments_job{resumed_job}_step4.pt", module_tmp / "write" /
-                          "moments_job0_step4.pt")  # fmt: skip
+                          "moments_job2_step4.pt")  # fmt: skip
+
+
+@pytest.mark.parametrize("job,stage", [(8, 1), (9, 2)])
+def test_four_to_two_ranks_under_zero_1_and_2_keeps_weights_groups_and_moments(moved_down, module_tmp, job, stage):
+    jobs = _jobs(moved_down[0], 2)
+    source = module_tmp / f"ckpts4_stage{stage}" / "step=4.ckpt"
+    assert read_manifest(source)["run"]["world_size"] == 4
+    _assert_weights_match(module_tmp / "down" / f"weights_job{job}.pt", source, module_tmp)
+    assert [rank_jobs[job]["start_step"] for rank_jobs in jobs] == [4, 4]
+    assert all(rank_jobs[job]["weight_decay"] == [0.1, 0.0] for rank_jobs in jobs)
+    # written by the 4-rank launch's job 0 (ZeRO-1) or 1 (ZeRO-2) before its step-4 save
+    _assert_moments_match(module_tmp / "down" / f"moments_job{job}_step4.pt", module_tmp / "write" /
+                          f"moments_job{stage - 1}_step4.pt")  # fmt: skip
+    assert all(math.isfinite(loss) for loss in jobs[0][job]["losses"].values())
 
 
 @pytest.mark.parametrize("job,stage,steps", [(0, 2, [4, 5]), (1, 3, [8, 9]), (2, 1, [4, 5])])
