@@ -18,6 +18,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from optimizer_moments import whole_moments
 from torch.utils.data import DataLoader
 from toy_training import RegressionData, ToyRegressor
 
@@ -64,46 +65,13 @@ class ResumeRecorder(L.Callback):
         if not self.job.get("moments") or trainer.global_step == 0:
             return  # before the first step Adam has no moments
         zero_optimizer = trainer.strategy.model.optimizer
-        if self.job.get("stage", 3) == 3:
-            moments = _zero3_moments(pl_module)
-        else:
-            moments = _zero12_moments(zero_optimizer, pl_module)
+        moments = whole_moments(zero_optimizer, pl_module.named_parameters(), self.job.get("stage", 3))
         if trainer.global_rank == 0:
-            moments = {name: value.detach().clone().cpu() for name, value in moments.items()}
             torch.save(moments, self.out / f"moments_job{self.index}_step{trainer.global_step}.pt")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if trainer.global_step == self.job.get("kill_step") and trainer.global_rank == self.job.get("kill_rank"):
             _die_while_writing_optimizer_shard()
-
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _zero3_moments(pl_module) -> dict:
-    from deepspeed.utils import safe_get_full_optimizer_state
-
-    params = pl_module.named_parameters()
-    return {f"{name}.{key}": safe_get_full_optimizer_state(p, key) for name, p in params for key in MOMENTS}
-
-
-def _zero12_moments(zero_optimizer, pl_module) -> dict:
-    """Under ZeRO-1/2 each rank holds one equal slice of each group's flat fp32 state: gather the slices, cut the
-    flat tensor back into the group's parameters (in their order; the padding is at the end)."""
-    names = {id(p): name for name, p in pl_module.named_parameters()}
-    moments = {}
-    for group, partition in zip(
-        zero_optimizer.bit16_groups, zero_optimizer.single_partition_of_fp32_groups, strict=True
-    ):
-        state = zero_optimizer.optimizer.state[partition]
-        for key in MOMENTS:
-            pieces = [torch.empty_like(state[key]) for _ in range(torch.distributed.get_world_size())]
-            torch.distributed.all_gather(pieces, state[key])
-            flat, offset = torch.cat(pieces), 0
-            for param in group:
-                moments[f"{names[id(param)]}.{key}"] = flat[offset : offset + param.numel()].view_as(param)
-                offset += param.numel()
-    return moments
 
 
 def _die_while_writing_optimizer_shard() -> None:

@@ -1,0 +1,90 @@
+"""Fabric checkpoints of ZeRO-1, ZeRO-2 and ZeRO-3 + hpZ 2 moved to another number of ranks.
+
+Run as ``python fabric_checkpoint_resize.py '<json options>'`` (tests/test_fabric_checkpoint_resize.py starts it as
+torchrun would). For each ``(stage, hpz)`` of ``options["layouts"]`` a new ``Fabric`` in the same processes trains a
+model with two parameter groups (weight decay 0.1 on the matrices, 0.0 on the biases). Phase ``"save"``: 3 steps,
+then ``fabric.save`` into ``root/stage<s>``; rank 0 keeps the whole weights and Adam's whole moments it saved
+(``saved_stage<s>.pt``). Phase ``"load"`` (another number of ranks, hpZ off): ``fabric.load`` of that checkpoint into
+a freshly built model; rank 0 keeps what was loaded (``loaded_stage<s>.pt``), every rank records the groups' weight
+decay and the loss of one more step.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import lightning as L
+import torch
+from deepspeed import DeepSpeedEngine
+from optimizer_moments import whole_moments
+from torch import nn
+
+import lightning_hpz
+
+
+def build(fabric: L.Fabric) -> tuple[nn.Module, torch.optim.Optimizer]:
+    with fabric.init_module():
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for _, p in named if p.ndim > 1], "weight_decay": 0.1},
+        {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0},
+    ]
+    return fabric.setup(model, torch.optim.AdamW(groups, lr=1e-2))
+
+
+def train_step(fabric: L.Fabric, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * step + fabric.global_rank))
+    loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin())
+    fabric.backward(loss, model=model)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def whole_state(model: nn.Module, stage: int) -> dict[str, torch.Tensor]:
+    """Every parameter whole (fp32 master weights are the module's in fp32 training) and Adam's moments, whole."""
+    engine = next(m for m in model.modules() if isinstance(m, DeepSpeedEngine))
+    named = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in named], enabled=stage == 3):
+        weights = {name: p.detach().clone().cpu() for name, p in named}
+    return {**weights, **whole_moments(engine.optimizer, named, stage)}
+
+
+def run_layout(fabric: L.Fabric, stage: int, phase: str, root: Path, out: Path) -> dict:
+    model, optimizer = build(fabric)
+    folder = root / f"stage{stage}"
+    if phase == "save":
+        losses = [train_step(fabric, model, optimizer, step) for step in range(3)]
+        state = whole_state(model, stage)
+        fabric.save(folder, {"model": model, "optimizer": optimizer, "step": 3})
+        record = {"losses": losses}
+    else:
+        loaded = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(folder, loaded)
+        state = whole_state(model, stage)
+        record = {"step": loaded["step"], "next_loss": train_step(fabric, model, optimizer, 3)}
+    if fabric.global_rank == 0:
+        torch.save(state, out / f"{'saved' if phase == 'save' else 'loaded'}_stage{stage}.pt")
+    record["weight_decay"] = [group["weight_decay"] for group in optimizer.param_groups]
+    return record
+
+
+def main(options: dict) -> None:
+    root, out = Path(options["root"]), Path(options["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    record = {}
+    for stage, hpz in options["layouts"]:
+        hpz = hpz if options["phase"] == "save" else 1
+        strategy = lightning_hpz.HpzFabricStrategy(stage=stage, hpz_partition_size=hpz)
+        fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=options["devices"])
+        fabric.launch()
+        fabric.seed_everything(0)
+        record[str(stage)] = run_layout(fabric, stage, options["phase"], root, out)
+        strategy.teardown()  # releases the folder's writer lock
+    (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,56 @@
+"""``fabric.load`` of a checkpoint written on another number of ranks keeps everything the optimizer had: the weights,
+each parameter group's settings and Adam's moments, bit for bit, under ZeRO-1, ZeRO-2 and ZeRO-3 + hpZ 2.
+
+Two launches of tests/scripts/fabric_checkpoint_resize.py (real DeepSpeed over gloo, a new Fabric per layout in the
+same processes): 2 CPU ranks train 3 steps and save; 1 rank loads each checkpoint (through DeepSpeed's universal
+format, as every resize does) and trains one more step. The Trainer's resizes are tests/test_checkpoint_trust.py.
+"""
+
+import math
+
+import pytest
+import torch
+from conftest import assert_succeeded, run_script
+
+from lightning_hpz.checkpointing.manifest import read_manifest
+
+pytestmark = pytest.mark.multiprocess
+
+LAYOUTS = [(1, 1), (2, 1), (3, 2)]  # (ZeRO stage, hpZ partition size) of the 2-rank run that saves
+
+
+@pytest.fixture(scope="module")
+def moved(module_tmp):
+    options = {"root": str(module_tmp / "ckpts"), "layouts": LAYOUTS}
+    saved = run_script("fabric_checkpoint_resize.py", {**options, "phase": "save", "devices": 2}, module_tmp / "save",
+                       ranks=2)  # fmt: skip
+    assert_succeeded(saved, ranks=2)
+    loaded = run_script("fabric_checkpoint_resize.py", {**options, "phase": "load", "devices": 1}, module_tmp / "load",
+                        ranks=1)  # fmt: skip
+    assert_succeeded(loaded, ranks=1)
+    return module_tmp, saved, loaded
+
+
+@pytest.mark.parametrize("stage", [stage for stage, _ in LAYOUTS])
+def test_two_to_one_rank_keeps_weights_groups_and_moments(moved, stage):
+    root, saved, loaded = moved
+    recorded = read_manifest(root / "ckpts" / f"stage{stage}")
+    assert recorded["run"]["world_size"] == 2 and recorded["run"]["stage"] == stage
+    before = torch.load(root / "save" / f"saved_stage{stage}.pt")
+    after = torch.load(root / "load" / f"loaded_stage{stage}.pt")
+    assert sorted(before) == sorted(after)
+    assert sum(name.endswith(".exp_avg_sq") for name in before) == 4  # two weights and two biases
+    differing = [name for name in before if not torch.equal(before[name], after[name])]
+    assert not differing, f"changed in the move from 2 ranks to 1: {differing}"
+    assert all(before[name].abs().sum() > 0 for name in before if name.endswith("exp_avg"))  # real moments
+    record = loaded.ranks[0][str(stage)]
+    assert record["step"] == 3
+    assert record["weight_decay"] == [0.1, 0.0] == saved.ranks[1][str(stage)]["weight_decay"]
+    assert math.isfinite(record["next_loss"])
+
+
+def test_each_load_went_through_the_conversion_for_another_world_size(moved):
+    _, _, loaded = moved
+    assert loaded.output.count("Resuming a checkpoint written on 2 ranks on 1 ranks") == len(LAYOUTS), loaded.output[
+        -3000:
+    ]
