@@ -31,11 +31,14 @@ def check_one_folder_for_all_ranks(folder: Path, probe_dir: Optional[Path] = Non
     key = str(Path(folder).resolve())
     if key in _checked or not collectives.is_distributed():
         return
-    probe = Path(probe_dir if probe_dir is not None else folder) / PROBE_NAME
+    # the token is in the file's name too: two jobs started into one folder at once each read their own probe, and
+    # the second meets the writer lock's refusal naming the first, not a false "node-local disks"
     token = secrets.token_hex(8) if collectives.rank() == 0 else None
+    probe = Path(probe_dir if probe_dir is not None else folder) / f"{PROBE_NAME}-{token}"
     if token is not None:
         probe.write_text(token)
     token = collectives.broadcast_object(token)
+    probe = probe.with_name(f"{PROBE_NAME}-{token}")
     seen = probe.is_file() and probe.read_text() == token
     every_rank = collectives.all_gather_object((seen, socket.gethostname()))
     if collectives.rank() == 0:
