@@ -13,12 +13,13 @@ from lightning_hpz.checkpointing import (
     last_good_checkpoint,
     read_manifest,
 )
-from lightning_hpz.checkpointing.commit import committed_save, staging_path
+from lightning_hpz.checkpointing.commit import committed_save
 from lightning_hpz.checkpointing.compatibility import mismatches
 from lightning_hpz.checkpointing.consolidate import consolidate
 from lightning_hpz.checkpointing.inspect_command import checkpoint_main
 from lightning_hpz.checkpointing.manifest import file_digest, verify_files
 from lightning_hpz.checkpointing.resume import refuse_mismatches
+from lightning_hpz.checkpointing.staging import staging_path
 
 RUN = {"stage": 3, "world_size": 2, "hpz_partition_size": 1, "global_step": 4, "epoch": 0, "optimizer": "AdamW"}
 SHARD = "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -177,6 +178,10 @@ def test_resize_of_an_optimizer_the_conversion_cannot_carry_is_refused_naming_it
     with pytest.raises(CheckpointMismatchError, match=r"it holds SGD state, and the conversion carries only Adam"):
         refuse_unconvertible_optimizer(Path("x.ckpt"), {**RUN, "optimizer": "SGD"})
     refuse_unconvertible_optimizer(Path("x.ckpt"), {**RUN, "optimizer": "AdamW"})  # carried exactly
+    # AMSGrad's running maximum is not among what the conversion carries
+    groups = [{"lr": 0.1, "amsgrad": False}, {"lr": 0.1, "amsgrad": True}]
+    with pytest.raises(CheckpointMismatchError, match=r"it holds AdamW\(amsgrad=True\) state"):
+        refuse_unconvertible_optimizer(Path("x.ckpt"), {**RUN, "optimizer": "AdamW", "param_groups": groups})
 
 
 def test_group_settings_are_recorded_and_put_back():

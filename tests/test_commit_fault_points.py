@@ -2,12 +2,14 @@
 
 Each case runs a process that commits ``last.ckpt`` at step 2, then again at step 4 with
 ``LIGHTNING_HPZ_FAULT_POINT`` set, so that it kills itself at that point of the second commit. Then, as the next start
-or save does, the interrupted commit is repaired; ``last.ckpt`` must be a complete, verified checkpoint of step 2 or 4,
-and a third commit must succeed. Both commit paths: the atomic exchange of the new copy with the old one (Linux
+or save does, the interrupted commit is repaired; ``last.ckpt`` must be a complete, verified checkpoint: step 2 when
+the kill came before anything moved, step 4 once the staged copy was complete and verified (rolled forward), and a
+third commit must succeed. Both commit paths: the atomic exchange of the new copy with the old one (Linux
 ``renameat2``), and the two renames used where the file system cannot exchange.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_hpz.checkpointing.commit import committed_save, repair_interrupted_commit, replaced_path
+from lightning_hpz.checkpointing.commit import committed_save
+from lightning_hpz.checkpointing.commit_repair import repair_interrupted_commit
 from lightning_hpz.checkpointing.fault_points import COMMIT_POINTS, FAULT_POINT_ENV_VAR
 from lightning_hpz.checkpointing.manifest import read_manifest, verify_files
+from lightning_hpz.checkpointing.staging import replaced_path
 
 RUN = {"stage": 3, "world_size": 1, "hpz_partition_size": 1, "epoch": 0, "optimizer": "AdamW"}
 
@@ -61,7 +65,8 @@ def test_a_commit_killed_at_any_point_keeps_a_complete_checkpoint(tmp_path, comm
     reached = commit_path == "renames" or point != "commit:old_moved_aside"  # an exchange moves nothing aside
     assert ended.returncode == (-signal.SIGKILL if reached else 0)
     repair_interrupted_commit(final)  # what the next save (or start) does first
-    assert _committed_step(final) in (2, 4)  # never older than the commit reported before the kill
+    # nothing moved before the manifest point: the old copy stays; after it, the staged copy is complete and verifies
+    assert _committed_step(final) == (2 if point == "commit:manifest_written" else 4)
     assert not replaced_path(final).exists()
     with committed_save(final, {**RUN, "global_step": 6}) as staging:
         (staging / "checkpoint").mkdir(parents=True)
@@ -77,5 +82,38 @@ def test_the_two_rename_commit_rolls_back_when_the_staged_copy_is_incomplete(tmp
     # a crash with the old copy aside and a staged copy that never got its manifest
     (final.parent / ".hpz-staging" / "last.ckpt.partial").mkdir(parents=True)
     final.rename(replaced_path(final))
-    assert repair_interrupted_commit(final) == "rolled back to the previous copy"
+    assert repair_interrupted_commit(final).startswith("rolled back to the previous copy")
     assert _committed_step(final) == 2
+
+
+def _interrupt_second_commit(final: Path) -> Path:
+    """Commit steps 2 and 4, then put the folder in the state of a kill between the two renames of the second."""
+    for step in (2, 4):
+        with committed_save(final, {**RUN, "global_step": step}) as staging:
+            (staging / "checkpoint").mkdir(parents=True)
+            torch.save({"w": torch.full((1024,), float(step))}, staging / "checkpoint" / "mp_rank_00_model_states.pt")
+        if step == 2:
+            kept = final.parent / "step2.copy"
+            shutil.copytree(final, kept)
+    staged = final.parent / ".hpz-staging" / "last.ckpt.partial"
+    staged.parent.mkdir(exist_ok=True)
+    final.rename(staged)
+    kept.rename(replaced_path(final))
+    return staged / "checkpoint" / "mp_rank_00_model_states.pt"
+
+
+def test_a_staged_copy_of_the_right_size_but_wrong_bytes_is_not_rolled_forward(tmp_path):
+    # rolling forward deletes the old copy: a size check alone would have traded the good step 2 for a damaged step 4
+    shard = _interrupt_second_commit(tmp_path / "last.ckpt")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert repair_interrupted_commit(tmp_path / "last.ckpt").startswith("rolled back")
+    assert _committed_step(tmp_path / "last.ckpt") == 2
+
+
+def test_a_staged_copy_that_verifies_is_rolled_forward(tmp_path):
+    _interrupt_second_commit(tmp_path / "last.ckpt")
+    assert repair_interrupted_commit(tmp_path / "last.ckpt").startswith("rolled forward")
+    assert _committed_step(tmp_path / "last.ckpt") == 4
+    assert not replaced_path(tmp_path / "last.ckpt").exists()

@@ -145,3 +145,23 @@ def test_a_converter_with_other_parameters_is_named(monkeypatch):
     assert resumable_conversion.UNSUPPORTED_REASON == ""  # the installed DeepSpeed's converter resumes
     monkeypatch.setattr(ds_to_universal, MERGE, lambda dp_degree, folder, slice_dir, name: None)
     assert f"ds_to_universal.{MERGE}" in resumable_conversion._unsupported_reason()
+
+
+def test_the_copy_is_sealed_with_its_own_manifest_and_a_damaged_copy_is_refused(checkpoints, tmp_path):
+    # the resume verifies the copy it loads, as it verifies the checkpoint: a damaged copy would load unnoticed
+    from lightning_hpz.checkpointing.errors import CheckpointIntegrityError
+    from lightning_hpz.checkpointing.manifest import read_manifest, verify_files
+    from lightning_hpz.checkpointing.resume import verify_universal_copy
+
+    copy = tmp_path / "universal"
+    convert_to_universal(checkpoints[4], copy)
+    recorded = read_manifest(copy)
+    assert recorded is not None and any(name.endswith("exp_avg.pt") for name in recorded["files"])
+    assert verify_files(copy, recorded, list(recorded["files"])) == []
+    verify_universal_copy(copy)
+    damaged = copy / next(name for name in recorded["files"] if name.endswith("fp32.pt"))
+    data = bytearray(damaged.read_bytes())
+    data[-100] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(CheckpointIntegrityError, match=r"universal-format copy .* is damaged: .*fp32\.pt.*Delete"):
+        verify_universal_copy(copy)

@@ -1,5 +1,7 @@
 """``fabric.load`` of a checkpoint written on another number of ranks keeps everything the optimizer had: the weights,
-each parameter group's settings and Adam's moments, bit for bit, under ZeRO-1, ZeRO-2 and ZeRO-3 + hpZ 2.
+each parameter group's settings (learning rate, betas, weight decay: different in each group) and Adam's moments, bit
+for bit, under ZeRO-1, ZeRO-2 and ZeRO-3 + hpZ 2; SGD with momentum, whose state the conversion does not carry, is
+refused naming the optimizer.
 
 Two launches of tests/scripts/fabric_checkpoint_resize.py (real DeepSpeed over gloo, a new Fabric per layout in the
 same processes): 2 CPU ranks train 3 steps and save; 1 rank loads each checkpoint (through DeepSpeed's universal
@@ -16,7 +18,9 @@ from lightning_hpz.checkpointing.manifest import read_manifest
 
 pytestmark = pytest.mark.multiprocess
 
-LAYOUTS = [(1, 1), (2, 1), (3, 2)]  # (ZeRO stage, hpZ partition size) of the 2-rank run that saves
+# (ZeRO stage, hpZ partition size, optimizer) of the 2-rank run that saves
+ADAM_LAYOUTS = [(1, 1, "adamw"), (2, 1, "adamw"), (3, 2, "adamw")]
+LAYOUTS = [*ADAM_LAYOUTS, (1, 1, "sgd")]
 
 
 @pytest.fixture(scope="module")
@@ -31,26 +35,35 @@ def moved(module_tmp):
     return module_tmp, saved, loaded
 
 
-@pytest.mark.parametrize("stage", [stage for stage, _ in LAYOUTS])
+@pytest.mark.parametrize("stage", [stage for stage, _, _ in ADAM_LAYOUTS])
 def test_two_to_one_rank_keeps_weights_groups_and_moments(moved, stage):
     root, saved, loaded = moved
-    recorded = read_manifest(root / "ckpts" / f"stage{stage}")
+    layout = f"stage{stage}_adamw"
+    recorded = read_manifest(root / "ckpts" / layout)
     assert recorded["run"]["world_size"] == 2 and recorded["run"]["stage"] == stage
-    before = torch.load(root / "save" / f"saved_stage{stage}.pt")
-    after = torch.load(root / "load" / f"loaded_stage{stage}.pt")
+    before = torch.load(root / "save" / f"saved_{layout}.pt")
+    after = torch.load(root / "load" / f"loaded_{layout}.pt")
     assert sorted(before) == sorted(after)
     assert sum(name.endswith(".exp_avg_sq") for name in before) == 4  # two weights and two biases
     differing = [name for name in before if not torch.equal(before[name], after[name])]
     assert not differing, f"changed in the move from 2 ranks to 1: {differing}"
     assert all(before[name].abs().sum() > 0 for name in before if name.endswith("exp_avg"))  # real moments
-    record = loaded.ranks[0][str(stage)]
+    record = loaded.ranks[0][layout]
     assert record["step"] == 3
-    assert record["weight_decay"] == [0.1, 0.0] == saved.ranks[1][str(stage)]["weight_decay"]
+    assert record["groups"] == saved.ranks[1][layout]["groups"]
+    assert [group["weight_decay"] for group in record["groups"]] == [0.1, 0.0]
+    assert [group["lr"] for group in record["groups"]] == [1e-2, 5e-3]
+    assert [group["betas"] for group in record["groups"]] == [[0.9, 0.999], [0.8, 0.99]]
     assert math.isfinite(record["next_loss"])
+
+
+def test_sgd_with_momentum_is_refused_naming_the_optimizer(moved):
+    _, _, loaded = moved
+    refusal = loaded.ranks[0]["stage1_sgd"]["refused"]
+    assert refusal is not None and "it holds SGD state" in refusal and "Resume on 2 ranks" in refusal, refusal
 
 
 def test_each_load_went_through_the_conversion_for_another_world_size(moved):
     _, _, loaded = moved
-    assert loaded.output.count("Resuming a checkpoint written on 2 ranks on 1 ranks") == len(LAYOUTS), loaded.output[
-        -3000:
-    ]
+    conversions = loaded.output.count("Resuming a checkpoint written on 2 ranks on 1 ranks")
+    assert conversions == len(ADAM_LAYOUTS), loaded.output[-3000:]

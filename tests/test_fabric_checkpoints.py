@@ -13,9 +13,9 @@ import signal
 import pytest
 from conftest import assert_succeeded, run_script
 
-from lightning_hpz.checkpointing.commit import STAGING_FOLDER, replaced_path, staging_path
 from lightning_hpz.checkpointing.fault_points import FAULT_AT_ENV_VAR, FAULT_POINT_ENV_VAR, FAULT_SCOPE_ENV_VAR
 from lightning_hpz.checkpointing.manifest import complete_manifest, read_manifest, verify_files
+from lightning_hpz.checkpointing.staging import STAGING_FOLDER, replaced_path, staging_path
 from lightning_hpz.checkpointing.writer_lock import LOCK_NAME
 
 pytestmark = pytest.mark.multiprocess

@@ -15,7 +15,7 @@ import pytest
 from conftest import SCRIPTS, assert_succeeded, run_script
 from warm_launcher import free_port
 
-from lightning_hpz.checkpointing.commit import replaced_path, staging_path
+from lightning_hpz.checkpointing.staging import replaced_path, staging_path
 
 pytestmark = pytest.mark.multiprocess
 

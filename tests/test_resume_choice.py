@@ -14,9 +14,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_hpz import HpzStrategy
 from lightning_hpz.checkpointing import resume_by_name
-from lightning_hpz.checkpointing.commit import committed_save, replaced_path, staging_path
+from lightning_hpz.checkpointing.commit import committed_save
 from lightning_hpz.checkpointing.manifest import MANIFEST_NAME
 from lightning_hpz.checkpointing.resume_choice import CommittedCheckpoint, choose, committed_checkpoints
+from lightning_hpz.checkpointing.staging import replaced_path, staging_path
 
 RUN = {"stage": 3, "world_size": 1, "hpz_partition_size": 1, "epoch": 0, "optimizer": "AdamW"}
 SLURM = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "77", "SLURM_PROCID": "0"}

@@ -1,10 +1,10 @@
 """Finish or undo the commits a crash interrupted, before anything reads the checkpoint.
 
 A commit on a file system without an atomic exchange renames twice (``commit.py``); killed in between, the
-checkpoint's own path is missing and its two copies wait in the staging folder. Whoever loads next repairs first: a
-resume by name repairs the run's folders (``resume_by_name.py``), an explicit ``ckpt_path`` its own path
-(:func:`repair_before_load`). One process (rank 0) repairs while the others wait, and nothing is touched while
-another job holds the folder's writer lock: its commit may still be under way.
+checkpoint's own path is missing and its two copies wait in the staging folder. Whoever loads next repairs first
+(``commit_repair.py``): a resume by name the run's folders (``resume_by_name.py``), an explicit ``ckpt_path`` its own
+path. Collective: the ranks verify the staged copy together, rank 0 renames. Nothing is touched while another job
+holds the folder's writer lock: its commit may still be under way.
 """
 
 from __future__ import annotations
@@ -14,38 +14,36 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hpz import collectives
-from lightning_hpz.checkpointing import commit, writer_lock
+from lightning_hpz.checkpointing import commit_repair, writer_lock
 from lightning_hpz.checkpointing.errors import CheckpointStorageError
 
 log = logging.getLogger(__name__)
 
 
-def repair_folder(folder: Path) -> None:
-    """Repair every interrupted commit in ``folder`` (rank 0 alone)."""
-    if _another_job_writes(folder):
-        return
-    for final, what in commit.repair_interrupted_commits_in(folder).items():
-        log.warning("Checkpoint %s: the previous save was interrupted while committing; %s.", final, what)
+def repair_folders(folders: list[Path]) -> None:
+    """Collective: repair every interrupted commit in rank 0's ``folders`` (the other ranks' are ignored)."""
+    finals: list[Path] = []
+    error = None
+    if collectives.rank() == 0:
+        try:
+            for folder in folders:
+                if not _another_job_writes(folder):
+                    finals += commit_repair.interrupted_commits_in(folder)
+        except OSError as failure:  # raised on rank 0 alone, the other ranks would wait in the repair
+            error = f"Cannot look for interrupted commits in {folders}: {failure}"
+    error = collectives.broadcast_object(error)
+    if error:
+        raise CheckpointStorageError(error)
+    commit_repair.repair_together(finals)
 
 
 def repair_before_load(checkpoint_path: Any) -> None:
-    """Collective: rank 0 repairs an interrupted commit of ``checkpoint_path``; a failure is raised on every rank."""
+    """Collective: repair an interrupted commit of ``checkpoint_path`` (a local path) before it is read."""
     path = Path(checkpoint_path)
-    outcome: dict[str, str] = {}
-    if collectives.rank() == 0 and "://" not in str(checkpoint_path) and _interrupted(path):
-        try:
-            outcome = {"done": "" if _another_job_writes(path.parent) else commit.repair_interrupted_commit(path)}
-        except OSError as error:  # raised on rank 0 alone, the other ranks would wait in the broadcast
-            outcome = {"error": f"Cannot repair the interrupted commit of {path} before loading it: {error}"}
-    outcome = collectives.broadcast_object(outcome)
-    if "error" in outcome:
-        raise CheckpointStorageError(outcome["error"])
-    if outcome.get("done"):
-        log.warning("Checkpoint %s: its save was interrupted while committing; %s.", path, outcome["done"])
-
-
-def _interrupted(path: Path) -> bool:
-    return commit.replaced_path(path).exists()
+    local = "://" not in str(checkpoint_path)
+    wanted = collectives.rank() == 0 and local and commit_repair.interrupted(path)
+    wanted = wanted and not _another_job_writes(path.parent)
+    commit_repair.repair_together([path] if wanted else [])
 
 
 def _another_job_writes(folder: Path) -> bool:

@@ -46,10 +46,31 @@ def prepare_load(
     refuse_mismatches(path, saved, current, strategy)
     if saved.get("world_size") in (None, current["world_size"]):
         return path, _verifying_reads(strategy, engine, path, recorded)
-    refuse_inexact_resize(path, saved["world_size"], current["world_size"], keep_data_order)
+    # the optimizer first: no setting makes its state convertible, while the data order is one flag away
     refuse_unconvertible_optimizer(path, saved)
+    refuse_inexact_resize(path, saved["world_size"], current["world_size"], keep_data_order)
     rank_zero_warn(universal.DATA_ORDER_WARNING.format(saved=saved["world_size"], current=current["world_size"]))
-    return universal.universal_copy(path), _universal_resume(engine, saved.get("param_groups"))
+    copy = universal.universal_copy(path)
+    verify_universal_copy(copy)
+    return copy, _universal_resume(engine, saved.get("param_groups"))
+
+
+def verify_universal_copy(copy: Path) -> None:
+    """Each rank checksums a share of the converted copy's files against the manifest written with it; a damaged copy
+    is refused on every rank, saying how to convert it again."""
+    recorded = manifest.read_manifest(copy)
+    if recorded is None:  # converted by a version that wrote no manifest: nothing to check it against
+        rank_zero_warn(f"The universal-format copy {copy} has no manifest; it is loaded unverified. Delete it to have "
+                       "it converted (and sealed with a manifest) again.")  # fmt: skip
+        return
+    sizes = {name: int(entry["size"]) for name, entry in recorded["files"].items()}
+    share = manifest.balanced_share(sizes, collectives.rank(), collectives.world_size())
+    problems = agreed(manifest.verify_files(copy, recorded, share))
+    if problems:
+        raise CheckpointIntegrityError(
+            f"The universal-format copy {copy} is damaged: {'; '.join(problems)}. Delete {copy} and resume again: "
+            "the checkpoint it was converted from is converted anew."
+        )
 
 
 @contextlib.contextmanager
@@ -86,12 +107,15 @@ def _universal_resume(engine: Any, groups: Any) -> Iterator[None]:
 
 
 def refuse_unconvertible_optimizer(path: Path, saved: dict[str, Any]) -> None:
-    """A resize converts Adam's two moments and nothing else: any other optimizer is refused, named."""
+    """A resize converts Adam's two moments and nothing else: any other optimizer, or Adam with AMSGrad (whose
+    running maximum of the second moment the conversion drops), is refused, named."""
     name = saved.get("optimizer")
-    if name is not None and name not in universal.CONVERTIBLE_OPTIMIZERS:
+    amsgrad = any(group.get("amsgrad") for group in saved.get("param_groups") or [])
+    if name is not None and (name not in universal.CONVERTIBLE_OPTIMIZERS or amsgrad):
+        held = f"{name}(amsgrad=True)" if amsgrad else name
         raise CheckpointMismatchError(
-            f"Cannot resume {path} on another number of ranks: it holds {name} state, and the conversion carries only "
-            f"Adam's moments ({', '.join(sorted(universal.CONVERTIBLE_OPTIMIZERS))}). Resume on "
+            f"Cannot resume {path} on another number of ranks: it holds {held} state, and the conversion carries only "
+            f"Adam's two moments ({', '.join(sorted(universal.CONVERTIBLE_OPTIMIZERS))}, without AMSGrad). Resume on "
             f"{saved.get('world_size')} ranks, or start the optimizer afresh from the weights "
             "(load them with `load_full_weights`)."
         )

@@ -111,6 +111,8 @@ def choose(trainer: Any) -> None:
     by_name = getattr(trainer._checkpoint_connector, "by_name", None)
     if by_name is None or by_name.chosen:
         return
+    # the ranks repair together (each verifies a share of a staged copy), then rank 0 chooses
+    load_repair.repair_folders(run_folders(trainer) if collectives.rank() == 0 else [])
     outcome: Optional[dict[str, Any]] = None
     if collectives.rank() == 0:
         try:
@@ -144,8 +146,6 @@ def run_folders(trainer: Any) -> list[Path]:
 
 def _choose_on_rank_zero(trainer: Any, by_name: ResumeByName) -> Optional[str]:
     folders = run_folders(trainer)
-    for folder in folders:
-        load_repair.repair_folder(folder)
     with warnings.catch_warnings(record=True) as held:  # "no last checkpoint" would be wrong if we find one
         warnings.simplefilter("always")
         lightning_choice = by_name.lightning_choice()

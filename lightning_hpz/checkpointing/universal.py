@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-from lightning_hpz import collectives
+from lightning_hpz import collectives, durability
+from lightning_hpz.checkpointing import manifest
 from lightning_hpz.checkpointing.errors import CheckpointMismatchError
 from lightning_hpz.checkpointing.fault_points import CONVERSION_ITEM_WRITTEN, fault_point
 from lightning_hpz.checkpointing.manifest import DEEPSPEED_TAG, MANIFEST_NAME, UNIVERSAL_DIR
@@ -117,10 +118,22 @@ def convert_to_universal(checkpoint_dir: Path, target: Path, quiet: bool = True)
         progress = output.enter_context(resumable_conversion.resumable_work(records, _report, _item_written))
         ds_to_universal.main(args)
     shutil.rmtree(partial / WORK_RECORDS, ignore_errors=True)  # none when the conversion was not resumable
+    source = json.loads((partial / SOURCE_RECORD).read_text())
     (partial / SOURCE_RECORD).unlink()
     (partial / "latest").write_text(DEEPSPEED_TAG)  # Lightning checks for it before handing the path to DeepSpeed
+    _seal(partial, source)
     partial.rename(target)
+    durability.persist_directory(target.parent)
     return progress
+
+
+def _seal(partial: Path, source: dict[str, str]) -> None:
+    """Make the finished copy durable and give it a manifest of its own: a resize verifies the copy it loads, as a
+    resume verifies the checkpoint (``resume.verify_universal_copy``)."""
+    names = manifest.checkpoint_files(partial)
+    durability.persist_files(partial, names)
+    manifest.write_manifest(partial, manifest.digests(partial, names), {"universal_copy_of": source})
+    durability.persist_tree_directories(partial)
 
 
 def _prepare_partial(partial: Path, source: dict[str, str], unsupported: str) -> None:

@@ -50,6 +50,8 @@ _NEEDS_DEEPSPEED = {
     "writes_reach_shards": "placeholder_writes",
     "VerifiedReads": "verified_reads",
     "verifying_reads": "verified_reads",
+    "HashedWrites": "hashed_writes",
+    "hashing_writes": "hashed_writes",
 }
 
 __getattr__, __dir__ = lazy_names(__name__, _NEEDS_DEEPSPEED)

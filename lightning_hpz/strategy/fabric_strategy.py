@@ -302,7 +302,9 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         path = Path(self.broadcast(path))
         run = compatibility.describe_run(self, engine.module, engine, global_step=engine.global_steps)
         with commit.committed_save(path, run) as staging:
-            super().save_checkpoint(staging, state)
+            with partitioning.hashing_writes(engine, staging) as writes:  # each shard checksummed as it is written
+                super().save_checkpoint(staging, state)
+            commit.hashed_while_written(staging, writes.digests if writes is not None else {})
         self.committed_checkpoint = str(path)  # named if a lost peer ends the run (peer_watchdog.py)
 
     @override

@@ -277,7 +277,9 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         run = compatibility.describe_run(self, self.lightning_module, self.model, step, epoch)
         started = time.monotonic()
         with commit.committed_save(Path(filepath), run) as staging:  # visible at `filepath` once complete
-            super().save_checkpoint(checkpoint, staging, storage_options)
+            with partitioning.hashing_writes(self.model, staging) as writes:  # each shard checksummed as it is written
+                super().save_checkpoint(checkpoint, staging, storage_options)
+            commit.hashed_while_written(staging, writes.digests if writes is not None else {})
         self.committed_checkpoint = str(filepath)  # named if a lost peer ends the run (peer_watchdog.py)
         if self.handle_preemption:
             self._save_deadline.observe(time.monotonic() - started)

@@ -78,11 +78,13 @@ def _die_while_writing_optimizer_shard() -> None:
     original = torch.save
 
     def half_written_then_killed(obj, f, *args, **kwargs):
-        if "optim_states" not in str(f):
+        path = getattr(getattr(f, "stream", None), "name", f)  # the file behind the commit's hashing stream
+        if "optim_states" not in str(path):
             return original(obj, f, *args, **kwargs)
         original(obj, f, *args, **kwargs)
-        size = os.path.getsize(f)
-        os.truncate(f, size // 2)  # the rest never reached the disk
+        if hasattr(f, "flush"):
+            f.flush()
+        os.truncate(path, os.path.getsize(path) // 2)  # the rest never reached the disk
         os._exit(9)
 
     torch.save = half_written_then_killed

@@ -1,0 +1,107 @@
+"""Finish or undo a checkpoint commit that a crash interrupted between its two renames (``commit.py``).
+
+Killed after the old copy moved aside and before the staged copy moved in, a checkpoint's path is missing and both
+copies wait in the staging folder. The repair rolls forward only when the staged copy verifies against its manifest
+by checksum, not by size alone: rolling forward deletes the old copy, so a staged shard of the right size but wrong
+bytes would cost both. The checksums are shared by the ranks, balanced by bytes (:func:`staged_copy_verifies`), so no
+rank hashes a large checkpoint alone while the others wait in a timed collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from lightning_hpz import collectives, durability
+from lightning_hpz.checkpointing import manifest
+from lightning_hpz.checkpointing.errors import CheckpointStorageError
+from lightning_hpz.checkpointing.staging import REPLACED_SUFFIX, STAGING_FOLDER, replaced_path, staging_path
+
+log = logging.getLogger(__name__)
+
+
+def interrupted(final: Path) -> bool:
+    """A commit of ``final`` stopped with a copy moved aside (or a finished one not yet cleaned up)."""
+    return replaced_path(Path(final)).exists()
+
+
+def repair_interrupted_commit(final: Path, staged_verifies: Optional[bool] = None) -> str:
+    """Finish or undo an interrupted commit of ``final`` (one process); what was done, "" when nothing was needed.
+
+    ``staged_verifies``: whether the staged copy matched its manifest, as the ranks found together; None checks it
+    here, every file by checksum.
+    """
+    final, staging, replaced = Path(final), staging_path(Path(final)), replaced_path(Path(final))
+    if final.exists():
+        if replaced.exists():  # the new copy made it; the old one was not deleted yet
+            shutil.rmtree(replaced)
+            return "deleted the copy a finished commit had moved aside"
+        return ""
+    if not replaced.exists():
+        return ""
+    if staged_verifies is None:
+        recorded = manifest.complete_manifest(staging)
+        staged_verifies = bool(recorded) and not manifest.verify_files(staging, recorded, list(recorded["files"]))
+    if staged_verifies:
+        staging.rename(final)
+        what = "rolled forward to the staged copy, which verified against its manifest"
+    else:
+        replaced.rename(final)
+        what = "rolled back to the previous copy (the staged one was incomplete or did not verify)"
+    durability.persist_directory(final.parent)  # the repair survives a power loss before the old copy goes
+    durability.persist_directory(staging.parent)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+    return what
+
+
+def interrupted_commits_in(folder: Path) -> list[Path]:
+    """The checkpoint paths in ``folder`` whose commit a crash left with a copy moved aside."""
+    staging = Path(folder) / STAGING_FOLDER
+    if not staging.is_dir():
+        return []
+    return [Path(folder) / p.name[: -len(REPLACED_SUFFIX)] for p in sorted(staging.glob("*" + REPLACED_SUFFIX))]
+
+
+def staged_copy_verifies(staging: Path) -> bool:
+    """Collective: whether the staged copy at ``staging`` is complete and every file matches its manifest; each rank
+    checksums an equal share of the bytes."""
+    recorded = None
+    if collectives.rank() == 0:
+        recorded = manifest.complete_manifest(staging)
+    recorded = collectives.broadcast_object(recorded)
+    if not recorded:
+        return False
+    sizes = {name: entry["size"] for name, entry in recorded["files"].items()}
+    share = manifest.balanced_share(sizes, collectives.rank(), collectives.world_size())
+    try:
+        problems = manifest.verify_files(staging, recorded, share)
+    except OSError as error:
+        problems = [str(error)]
+    return not any(collectives.all_gather_object(problems))
+
+
+def repair_together(finals: list[Path]) -> dict[Path, str]:
+    """Collective: repair the interrupted commits among rank 0's ``finals`` (the other ranks' are ignored); what was
+    done, by path. A failure on rank 0 is raised on every rank."""
+    plan: Optional[list[str]] = None
+    if collectives.rank() == 0:
+        plan = [str(final) for final in finals if interrupted(Path(final))]
+    done: dict[Path, str] = {}
+    for final in map(Path, collectives.broadcast_object(plan)):
+        verifies = staged_copy_verifies(staging_path(final))
+        outcome: dict[str, str] = {}
+        if collectives.rank() == 0:
+            try:
+                outcome = {"done": repair_interrupted_commit(final, verifies)}
+            except OSError as error:  # raised on rank 0 alone, the other ranks would wait in the broadcast
+                outcome = {"error": f"Cannot repair the interrupted commit of {final}: {error}"}
+        outcome = collectives.broadcast_object(outcome)
+        if "error" in outcome:
+            raise CheckpointStorageError(outcome["error"])
+        if outcome["done"]:
+            log.warning("Checkpoint %s: its save was interrupted while committing; %s.", final, outcome["done"])
+            done[final] = outcome["done"]
+    return done

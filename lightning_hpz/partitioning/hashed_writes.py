@@ -1,0 +1,90 @@
+"""DeepSpeed's checkpoint writes, each checksummed from the bytes as they are written and made durable at once.
+
+The commit's manifest vouches for every file of a checkpoint. Hashing a file after it is written reads it back, which
+costs a second pass over every byte (and, from the page cache, vouches for what may not have reached the storage).
+While DeepSpeed saves, its engine's ``checkpoint_engine`` (the object every shard write goes through:
+``DeepSpeedEngine._save_checkpoint``, ``_save_zero_checkpoint``) is wrapped: ``torch.save`` writes into a stream
+that feeds each chunk to blake2b on its way to the file, which is then ``fsync``ed and dropped from the page cache.
+The digests are the writer's; files written otherwise (DeepSpeed's ``latest``) are left to the commit to read back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+# DeepSpeed's plain torch.save engine: the one this wrapper writes for (the asynchronous writers are refused at setup)
+WRAPPED_ENGINE = "TorchCheckpointEngine"
+
+
+class _HashingStream:
+    """A binary file that hashes what is written to it: the only method ``torch.save`` calls on a stream."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.digest = hashlib.blake2b(digest_size=16)
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.digest.update(view)
+        self.size += len(view)
+        return self.stream.write(view)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+class HashedWrites:
+    """A checkpoint engine whose ``save`` hashes each file while writing it; everything else is the wrapped one's."""
+
+    def __init__(self, inner: Any, checkpoint_dir: Path) -> None:
+        self.inner = inner
+        self.checkpoint_dir = Path(checkpoint_dir).resolve()
+        self.digests: dict[str, dict[str, Any]] = {}  # by name relative to the checkpoint: {"size", "blake2b"}
+
+    def save(self, state_dict: Any, path: Any) -> None:
+        name = self._name(path)
+        if name is None:
+            return self.inner.save(state_dict, path)
+        new_format = getattr(self.inner, "zipfile_serialization", True)
+        with open(path, "wb") as file:
+            stream = _HashingStream(file)
+            torch.save(state_dict, stream, _use_new_zipfile_serialization=new_format)
+            file.flush()
+            os.fsync(file.fileno())  # durable before the commit relies on it
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # a shard is not read again soon
+        self.digests[name] = {"size": stream.size, "blake2b": stream.digest.hexdigest()}
+        return None
+
+    def _name(self, path: Any) -> Optional[str]:
+        try:
+            return str(Path(path).resolve().relative_to(self.checkpoint_dir))
+        except ValueError:
+            return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@contextlib.contextmanager
+def hashing_writes(engine: Any, checkpoint_dir: Path) -> Iterator[Optional[HashedWrites]]:
+    """While DeepSpeed saves ``engine`` into ``checkpoint_dir``, hash every file it writes; yields the wrapper (None for
+    another checkpoint engine: the commit then reads every file back)."""
+    inner = getattr(engine, "checkpoint_engine", None)
+    if type(inner).__name__ != WRAPPED_ENGINE or not callable(getattr(inner, "save", None)):
+        yield None
+        return
+    writes = HashedWrites(inner, checkpoint_dir)
+    engine.checkpoint_engine = writes
+    try:
+        yield writes
+    finally:
+        engine.checkpoint_engine = inner
