@@ -1,7 +1,7 @@
 """``fabric.load`` of a checkpoint written on another number of ranks keeps everything the optimizer had: the weights,
 each parameter group's settings (learning rate, betas, weight decay: different in each group) and Adam's moments, bit
 for bit, under ZeRO-1, ZeRO-2 and ZeRO-3 + hpZ 2; SGD with momentum, whose state the conversion does not carry, is
-refused naming the optimizer.
+refused naming the optimizer; a read-only checkpoint (a real read-only bind mount) resizes through the cache folder.
 
 Two launches of tests/scripts/fabric_checkpoint_resize.py (real DeepSpeed over gloo, a new Fabric per layout in the
 same processes): 2 CPU ranks train 3 steps and save; 1 rank loads each checkpoint (through DeepSpeed's universal
@@ -9,12 +9,16 @@ format, as every resize does) and trains one more step. The Trainer's resizes ar
 """
 
 import math
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
 from conftest import assert_succeeded, run_script
 
 from lightning_hpz.checkpointing.manifest import read_manifest
+from lightning_hpz.checkpointing.universal_location import CACHE_ENV_VAR
 
 pytestmark = pytest.mark.multiprocess
 
@@ -67,3 +71,37 @@ def test_each_load_went_through_the_conversion_for_another_world_size(moved):
     _, _, loaded = moved
     conversions = loaded.output.count("Resuming a checkpoint written on 2 ranks on 1 ranks")
     assert conversions == len(ADAM_LAYOUTS), loaded.output[-3000:]
+
+
+def _read_only_mount(folder):
+    """Bind-mount ``folder`` read-only over itself (root only, as on an archive or another team's storage)."""
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root")
+    subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+    remounted = subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], capture_output=True, text=True)
+    if remounted.returncode != 0:
+        subprocess.run(["umount", str(folder)], check=False)
+        pytest.skip(f"cannot remount read-only here: {remounted.stderr.strip()}")
+
+
+def test_a_read_only_checkpoint_resizes_through_the_cache_folder(moved, module_tmp):
+    # an archived checkpoint (no universal copy inside, no way to write one) resumes on another number of ranks
+    root, _, _ = moved
+    archive = module_tmp / "archive"
+    without_copy = shutil.ignore_patterns("universal")
+    shutil.copytree(root / "ckpts" / "stage3_adamw", archive / "stage3_adamw", ignore=without_copy)
+    _read_only_mount(archive)
+    try:
+        options = {"root": str(archive), "layouts": [ADAM_LAYOUTS[-1]], "phase": "load", "devices": 1}
+        cache = module_tmp / "universal-cache"
+        loaded = run_script("fabric_checkpoint_resize.py", options, module_tmp / "load_ro", ranks=1,
+                            env={CACHE_ENV_VAR: str(cache)})  # fmt: skip
+    finally:
+        subprocess.run(["umount", str(archive)], check=True)
+    assert_succeeded(loaded, ranks=1)
+    assert not (archive / "stage3_adamw" / "universal").exists()
+    copies = list(cache.iterdir())
+    assert [copy.name.split("-")[0] for copy in copies] == ["stage3_adamw"] and read_manifest(copies[0]) is not None
+    before = torch.load(root / "save" / "saved_stage3_adamw.pt")
+    after = torch.load(module_tmp / "load_ro" / "loaded_stage3_adamw.pt")
+    assert all(torch.equal(before[name], after[name]) for name in before)
