@@ -1,6 +1,6 @@
-"""A checkpoint commit that fails on one rank (a full disk, a lost mount) is raised on every rank at once, naming the
-rank and the error; no rank is left waiting in a collective until the process group times out, and the checkpoint
-committed before stays in place.
+"""A checkpoint save or commit that fails on one rank (a full disk, a lost mount) is raised on every rank at once,
+naming the rank and the error; no rank is left waiting in a collective until the process group times out, and the
+checkpoint committed before stays in place.
 
 Two real processes over gloo (a 60 s process-group timeout, so a rank left waiting would show as a timeout, not a
 refusal) commit ``last.ckpt`` at step 1, then fail the commit of step 2 at one step of one rank.
@@ -8,6 +8,7 @@ refusal) commit ``last.ckpt`` at step 1, then fail the commit of step 2 at one s
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,10 +25,13 @@ COMMIT_THEN_FAIL = textwrap.dedent(
     """
     import datetime, json, os, sys, time
     from pathlib import Path
+    from types import SimpleNamespace
     import torch, torch.distributed as dist
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from lightning_hpz import durability
     from lightning_hpz.checkpointing import commit, manifest
     from lightning_hpz.checkpointing.errors import CheckpointStorageError
+    from lightning_hpz.partitioning import hashed_writes
 
     final, failing_rank, step_name = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -35,17 +39,22 @@ COMMIT_THEN_FAIL = textwrap.dedent(
 
     def save(step):
         run = {"stage": 3, "world_size": 2, "hpz_partition_size": 1, "global_step": step}
+        engine = SimpleNamespace(checkpoint_engine=TorchCheckpointEngine())  # as DeepSpeed's save writes
         with commit.committed_save(final, run) as staging:
             (staging / "checkpoint").mkdir(parents=True, exist_ok=True)
             name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-            torch.save({"w": torch.full((256,), float(step))}, staging / "checkpoint" / name)
+            with hashed_writes.hashing_writes(engine, staging) as writes:
+                shard = {"w": torch.full((256,), float(step))}
+                engine.checkpoint_engine.save(shard, str(staging / "checkpoint" / name))
+            commit.hashed_while_written(staging, writes.digests, writes.failures)
 
     def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
     save(1)
     if rank == failing_rank:
-        module = {"persist_files": durability, "digests": manifest, "write_manifest": manifest}[step_name]
+        modules = {"persist_files": durability, "digests": manifest, "write_manifest": manifest}
+        module = modules.get(step_name, hashed_writes)
         setattr(module, step_name, no_space)
     started = time.monotonic()
     try:
@@ -58,7 +67,11 @@ COMMIT_THEN_FAIL = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("failing_rank", "step"), [(1, "persist_files"), (0, "digests"), (0, "write_manifest")])
+# _write_hashed: a shard write inside DeepSpeed's save (a full disk reported at fsync), on one rank
+FAILURES = [(1, "_write_hashed"), (1, "persist_files"), (0, "digests"), (0, "write_manifest")]
+
+
+@pytest.mark.parametrize(("failing_rank", "step"), FAILURES)
 def test_a_commit_failing_on_one_rank_is_raised_on_every_rank(tmp_path, failing_rank, step):
     final = tmp_path / "last.ckpt"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "MASTER_ADDR": "127.0.0.1"}
@@ -74,7 +87,8 @@ def test_a_commit_failing_on_one_rank_is_raised_on_every_rank(tmp_path, failing_
     ]
     records = [json.loads(rank.communicate(timeout=120)[0].strip().splitlines()[-1]) for rank in ranks]
     for record in records:
-        assert f"rank {failing_rank}: [Errno 28] No space left on device" in record["outcome"], record
+        named = rf"rank {failing_rank}: (writing .*)?\[Errno 28\] No space left on device"
+        assert re.search(named, record["outcome"]), record
         assert "the checkpoint that was at" in record["outcome"] and record["seconds"] < 30, record
     recorded = read_manifest(final)
     assert recorded["run"]["global_step"] == 1 and verify_files(final, recorded, list(recorded["files"])) == []

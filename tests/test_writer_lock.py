@@ -16,7 +16,14 @@ import torch
 from lightning_hpz.checkpointing.commit import committed_save
 from lightning_hpz.checkpointing.errors import CheckpointStorageError
 from lightning_hpz.checkpointing.staging import staging_path
-from lightning_hpz.checkpointing.writer_lock import LEASE_ENV_VAR, LOCK_NAME, claim, release, this_job
+from lightning_hpz.checkpointing.writer_lock import (
+    DEFAULT_LEASE_S,
+    LEASE_ENV_VAR,
+    LOCK_NAME,
+    claim,
+    release,
+    this_job,
+)
 
 
 def _claimed_by(folder, **holder):
@@ -49,16 +56,23 @@ def test_the_same_job_takes_its_claim_over(tmp_path, monkeypatch):
     assert json.loads(claim(tmp_path).read_text())["job"] == "777"
 
 
+def _last_written(folder, seconds_ago):
+    then = time.time() - seconds_ago
+    os.utime(folder / LOCK_NAME, (then, then))
+
+
 def test_a_claim_whose_heartbeat_stopped_is_taken_over(tmp_path, monkeypatch):
     # a job killed on another node: its process cannot be looked up from here, its heartbeat tells it is dead
     monkeypatch.setenv(LEASE_ENV_VAR, "60")
-    _claimed_by(tmp_path, job="4242", host="another-node", pid=1, beat=time.time() - 61)
+    _claimed_by(tmp_path, job="4242", host="another-node", pid=1)
+    _last_written(tmp_path, 61)
     assert json.loads(claim(tmp_path).read_text())["pid"] == os.getpid()
 
 
 def test_a_claim_with_a_recent_heartbeat_on_another_node_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(LEASE_ENV_VAR, "60")
-    _claimed_by(tmp_path, job="4242", host="another-node", pid=1, beat=time.time() - 5)
+    _claimed_by(tmp_path, job="4242", host="another-node", pid=1, beat=0)  # its clock says nothing: the file's age does
+    _last_written(tmp_path, 5)
     with pytest.raises(CheckpointStorageError, match=r"job 4242 \(host another-node.*expires 60 s"):
         claim(tmp_path)
 
@@ -75,6 +89,8 @@ def test_the_heartbeat_keeps_a_live_claim_fresh(tmp_path, monkeypatch):
         assert json.loads((tmp_path / LOCK_NAME).read_text())["beat"] > first
     finally:
         writer_lock.release_all()
+    assert not (tmp_path / LOCK_NAME).exists()
+    time.sleep(0.3)  # three periods: a beat in flight at the release must not bring the claim back
     assert not (tmp_path / LOCK_NAME).exists()
 
 
@@ -96,8 +112,12 @@ CLAIM_AT = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("left_by_a_dead_job", [False, True])
 @pytest.mark.parametrize("attempt", range(3))
-def test_two_jobs_claiming_at_the_same_instant_never_both_hold_the_folder(tmp_path, attempt):
+def test_two_jobs_claiming_at_the_same_instant_never_both_hold_the_folder(tmp_path, attempt, left_by_a_dead_job):
+    if left_by_a_dead_job:  # both judge it takeable; only one may take it over
+        _claimed_by(tmp_path, job="4242", host="another-node", pid=1)
+        _last_written(tmp_path, 2 * DEFAULT_LEASE_S)
     start = time.time() + 3  # both processes are imported and spinning by then
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     jobs = [

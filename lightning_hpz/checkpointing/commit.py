@@ -19,7 +19,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning_hpz import collectives, durability
 from lightning_hpz.checkpointing import commit_repair, manifest, writer_lock
@@ -31,12 +31,20 @@ from lightning_hpz.checkpointing.staging import replaced_path, staging_path
 
 log = logging.getLogger(__name__)
 _written: dict[Path, dict[str, Any]] = {}  # staging folder -> this rank's files hashed while written, by name
+_failed_writes: dict[Path, list[str]] = {}  # staging folder -> this rank's writes that failed
 
 
-def hashed_while_written(staging: Path, digests: dict[str, Any]) -> None:
+def hashed_while_written(staging: Path, digests: dict[str, Any], failures: Optional[list[str]] = None) -> None:
     """Register the files this rank wrote into ``staging`` and hashed as it wrote them ({name: {size, blake2b}}):
-    the commit takes their digests instead of reading them back."""
+    the commit takes their digests instead of reading them back, and raises ``failures`` on every rank."""
     _written.setdefault(Path(staging), {}).update(digests)
+    _failed_writes.setdefault(Path(staging), []).extend(failures or [])
+
+
+def _raise_failed_writes(staging: Path) -> None:
+    failures = _failed_writes.pop(staging, [])
+    if failures:
+        raise OSError("; ".join(failures))
 
 
 @contextmanager
@@ -45,6 +53,7 @@ def committed_save(final: Path, run: dict[str, Any]) -> Iterator[Path]:
     final = Path(final)
     staging = staging_path(final)
     _written.pop(staging, None)  # left by a save that failed
+    _failed_writes.pop(staging, None)
     if collectives.rank() == 0:
         staging.parent.mkdir(parents=True, exist_ok=True)
     collectives.barrier()
@@ -68,7 +77,7 @@ def _commit(staging: Path, final: Path, run: dict[str, Any]) -> None:
     mine = _written.pop(staging, {})
     # the writer of each file makes it durable (its own client holds the dirty pages on a network file system)
     unsynced = [name for name in manifest.files_written_by(staging, rank, world) if name not in mine]
-    _on_every_rank(lambda: durability.persist_files(staging, unsynced), final)
+    _on_every_rank(lambda: _raise_failed_writes(staging) or durability.persist_files(staging, unsynced), final)
     # listed once, by rank 0: a network file system may show another rank a stale listing, and the shares must agree
     sizes = _on_every_rank(lambda: _sizes(staging) if rank == 0 else None, final)[0]
     hashed = {name: entry for part in _on_every_rank(lambda: mine, final) for name, entry in part.items()}
@@ -97,14 +106,14 @@ def _on_every_rank(step: Callable[[], Any], final: Path) -> list[Any]:
     result, error = None, None
     try:
         result = step()
-    except OSError as failure:
+    except (OSError, ValueError) as failure:
         error = f"rank {collectives.rank()}: {failure}"
     gathered = collectives.all_gather_object((result, error))
     errors = [error for _, error in gathered if error]
     if errors:
         raise CheckpointStorageError(
             f"Saving checkpoint {final} failed ({'; '.join(errors)}). The save is abandoned; the checkpoint that was "
-            f"at {final} before it is kept. Free space or fix the storage and save again."
+            f"at {final} before it is kept. Fix the cause (free space, the storage) and save again."
         )
     return [result for result, _ in gathered]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_hpz import collectives, durability
 from lightning_hpz.checkpointing import manifest
@@ -70,7 +70,10 @@ def staged_copy_verifies(staging: Path) -> bool:
     checksums an equal share of the bytes."""
     recorded = None
     if collectives.rank() == 0:
-        recorded = manifest.complete_manifest(staging)
+        try:
+            recorded = manifest.complete_manifest(staging)
+        except (OSError, ValueError):  # unreadable (a manifest cut short): not a copy to roll forward to
+            recorded = None
     recorded = collectives.broadcast_object(recorded)
     if not recorded:
         return False
@@ -86,11 +89,17 @@ def staged_copy_verifies(staging: Path) -> bool:
 def repair_together(finals: list[Path]) -> dict[Path, str]:
     """Collective: repair the interrupted commits among rank 0's ``finals`` (the other ranks' are ignored); what was
     done, by path. A failure on rank 0 is raised on every rank."""
-    plan: Optional[list[str]] = None
+    plan: Optional[dict[str, Any]] = None
     if collectives.rank() == 0:
-        plan = [str(final) for final in finals if interrupted(Path(final))]
+        try:
+            plan = {"finals": [str(final) for final in finals if interrupted(Path(final))]}
+        except OSError as error:  # raised on rank 0 alone, the other ranks would wait in the broadcast
+            plan = {"error": f"Cannot look for interrupted commits of {[str(f) for f in finals]}: {error}"}
+    plan = collectives.broadcast_object(plan)
+    if "error" in plan:
+        raise CheckpointStorageError(plan["error"])
     done: dict[Path, str] = {}
-    for final in map(Path, collectives.broadcast_object(plan)):
+    for final in map(Path, plan["finals"]):
         verifies = staged_copy_verifies(staging_path(final))
         outcome: dict[str, str] = {}
         if collectives.rank() == 0:

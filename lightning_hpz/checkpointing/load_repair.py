@@ -40,14 +40,16 @@ def repair_folders(folders: list[Path]) -> None:
 def repair_before_load(checkpoint_path: Any) -> None:
     """Collective: repair an interrupted commit of ``checkpoint_path`` (a local path) before it is read."""
     path = Path(checkpoint_path)
-    local = "://" not in str(checkpoint_path)
-    wanted = collectives.rank() == 0 and local and commit_repair.interrupted(path)
-    wanted = wanted and not _another_job_writes(path.parent)
-    commit_repair.repair_together([path] if wanted else [])
+    wanted = collectives.rank() == 0 and "://" not in str(checkpoint_path)
+    # whether it was interrupted is repair_together's to find (an error there reaches every rank)
+    commit_repair.repair_together([path] if wanted and not _another_job_writes(path.parent) else [])
 
 
 def _another_job_writes(folder: Path) -> bool:
-    holder = writer_lock.held_by_another_job(folder)
+    try:
+        holder = writer_lock.held_by_another_job(folder)
+    except OSError:  # the folder cannot be read: repair_together reports it on every rank
+        return False
     if holder is not None:
         log.warning("Not repairing interrupted commits in %s: job %s may still be writing it.", folder, holder)
     return holder is not None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +35,8 @@ from typing_extensions import override
 from lightning_hpz import collectives
 from lightning_hpz.checkpointing import load_repair, resume_choice
 from lightning_hpz.checkpointing.errors import CheckpointStorageError
+
+log = logging.getLogger(__name__)
 
 
 class ResumeByName:
@@ -112,7 +115,7 @@ def choose(trainer: Any) -> None:
     if by_name is None or by_name.chosen:
         return
     # the ranks repair together (each verifies a share of a staged copy), then rank 0 chooses
-    load_repair.repair_folders(run_folders(trainer) if collectives.rank() == 0 else [])
+    load_repair.repair_folders(_run_folders_on_rank_zero(trainer))
     outcome: Optional[dict[str, Any]] = None
     if collectives.rank() == 0:
         try:
@@ -123,6 +126,16 @@ def choose(trainer: Any) -> None:
     if "error" in outcome:
         raise CheckpointStorageError(outcome["error"])
     by_name.path, by_name.chosen = outcome["path"], True
+
+
+def _run_folders_on_rank_zero(trainer: Any) -> list[Path]:
+    if collectives.rank() != 0:
+        return []
+    try:
+        return run_folders(trainer)
+    except (OSError, ValueError) as error:  # rank 0 alone: the repair would leave the other ranks waiting
+        log.warning("Not repairing interrupted commits: cannot tell the run's checkpoint folders (%s).", error)
+        return []
 
 
 def run_folders(trainer: Any) -> list[Path]:

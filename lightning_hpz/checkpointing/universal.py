@@ -117,11 +117,11 @@ def convert_to_universal(checkpoint_dir: Path, target: Path, quiet: bool = True)
         records = partial / WORK_RECORDS
         progress = output.enter_context(resumable_conversion.resumable_work(records, _report, _item_written))
         ds_to_universal.main(args)
-    shutil.rmtree(partial / WORK_RECORDS, ignore_errors=True)  # none when the conversion was not resumable
-    source = json.loads((partial / SOURCE_RECORD).read_text())
-    (partial / SOURCE_RECORD).unlink()
     (partial / "latest").write_text(DEEPSPEED_TAG)  # Lightning checks for it before handing the path to DeepSpeed
-    _seal(partial, source)
+    # sealed while the records still say what it is: a kill while sealing resumes instead of converting anew
+    _seal(partial, json.loads((partial / SOURCE_RECORD).read_text()))
+    shutil.rmtree(partial / WORK_RECORDS, ignore_errors=True)  # none when the conversion was not resumable
+    (partial / SOURCE_RECORD).unlink()
     partial.rename(target)
     durability.persist_directory(target.parent)
     return progress

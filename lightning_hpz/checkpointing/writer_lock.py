@@ -3,15 +3,17 @@
 Two jobs saving into one folder delete each other's staged copies (a save clears what it finds in staging), number
 their preemption checkpoints from the same ``hpc_ckpt_<N>`` and retire each other's, and a manifest can then vouch for
 a mix. Rank 0 claims the folder at its first save with ``.hpz-writer.json`` (job, host, process, a random token, and a
-heartbeat it refreshes while the process lives) and releases it at teardown, or when the process exits (a Fabric
-script may never call teardown).
+heartbeat: the file is rewritten every tenth of the lease while the process lives) and releases it at teardown, or
+when the process exits (a Fabric script may never call teardown).
 
 The claim is created exclusively (a hard link of a complete file, which fails if the lock exists), so two jobs
-starting at once cannot both create it; taking over a lock that may be replaced is confirmed by reading it back, and
-every later save checks the token again before it touches the folder. A claim by the same job (a requeued SLURM job,
-a restarted torchrun job) is taken over, as is one left by a process that no longer exists, or one whose heartbeat
-stopped for longer than the lease (a job killed on another node: without the lease its folder stayed locked until
-someone deleted the file by hand, and its interrupted commits unrepaired). Any other claim is refused with what to do.
+starting at once cannot both create it. A claim that may be taken over is first renamed aside, which only one
+claimer can do, and the exclusive create follows; every later save checks the token again before it touches the
+folder. Taken over: a claim by the same job (a requeued SLURM job, a restarted torchrun job), one left on this host
+by a process that no longer exists, or one not rewritten for longer than the lease (a job killed on another node:
+without the lease its folder stayed locked until someone deleted the file by hand, and its interrupted commits
+unrepaired). The age is the file's modification time against a probe file's, both stamped by the storage, so clocks
+that differ between hosts do not matter. Any other claim is refused with what to do.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -30,12 +33,16 @@ from typing import Any, Optional
 from lightning_hpz import collectives
 from lightning_hpz.checkpointing.errors import CheckpointStorageError
 
+log = logging.getLogger(__name__)
+
 LOCK_NAME = ".hpz-writer.json"
 LEASE_ENV_VAR = "LIGHTNING_HPZ_WRITER_LEASE_S"
-DEFAULT_LEASE_S = 300.0  # a claim whose heartbeat is older than this is a dead job's
+DEFAULT_LEASE_S = 300.0  # a claim not rewritten for this long is a dead job's
+_BEING_WRITTEN_S = 10.0  # an unreadable lock younger than this is a claim being written (no hard links)
 _claimed: dict[str, Path] = {}  # folder -> the lock this process holds there
 _tokens: dict[int, str] = {}  # process id -> the token of its claims
-_heartbeat: Optional[threading.Event] = None  # set to stop the heartbeat thread
+_guard = threading.Lock()  # a beat and a release never interleave: a release is final
+_heartbeat: Optional[tuple[threading.Event, threading.Thread]] = None
 
 
 def _token() -> str:
@@ -44,7 +51,15 @@ def _token() -> str:
 
 
 def lease_seconds() -> float:
-    return float(os.environ.get(LEASE_ENV_VAR, DEFAULT_LEASE_S))
+    raw = os.environ.get(LEASE_ENV_VAR)
+    try:
+        lease = float(raw) if raw else DEFAULT_LEASE_S
+    except ValueError:
+        lease = -1.0
+    if lease <= 0:
+        log.warning("%s=%r is not a positive number of seconds; using %s.", LEASE_ENV_VAR, raw, DEFAULT_LEASE_S)
+        return DEFAULT_LEASE_S
+    return lease
 
 
 def this_job() -> dict[str, Any]:
@@ -62,9 +77,10 @@ def this_job() -> dict[str, Any]:
 
 def _read(lock: Path) -> Optional[dict[str, Any]]:
     try:
-        return json.loads(lock.read_text())
+        record = json.loads(lock.read_text())
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def _same_writer(holder: dict[str, Any], me: dict[str, Any]) -> bool:
@@ -73,11 +89,24 @@ def _same_writer(holder: dict[str, Any], me: dict[str, Any]) -> bool:
     return holder.get("host") == me["host"] and holder.get("pid") == me["pid"]
 
 
-def _gone(holder: dict[str, Any], me: dict[str, Any]) -> bool:
-    """The holder no longer writes: its process is gone (this host), or its heartbeat stopped (any host)."""
-    beat = holder.get("beat")
-    if not isinstance(beat, (int, float)) or time.time() - beat > lease_seconds():
-        return True  # no heartbeat for a lease (or a claim from before heartbeats): its job is dead
+def _age_on_storage(path: Path) -> Optional[float]:
+    """Seconds since ``path`` was last written, by the storage's clock (a probe file's time beside it)."""
+    probe = path.with_name(f"{path.name}.{uuid.uuid4().hex}.age")
+    try:
+        probe.touch()
+        try:
+            return probe.stat().st_mtime - path.stat().st_mtime
+        finally:
+            probe.unlink(missing_ok=True)
+    except OSError:
+        return None
+
+
+def _gone(holder: dict[str, Any], me: dict[str, Any], lock: Path) -> bool:
+    """The holder no longer writes: its claim was not rewritten for a lease (any host), or its process is gone."""
+    age = _age_on_storage(lock)
+    if age is not None and age > lease_seconds():
+        return True  # no heartbeat for a lease: its job is dead
     if holder.get("host") != me["host"]:
         return False  # alive by its heartbeat
     try:
@@ -89,10 +118,18 @@ def _gone(holder: dict[str, Any], me: dict[str, Any]) -> bool:
     return False
 
 
+def _takeable(lock: Path, holder: Optional[dict[str, Any]], me: dict[str, Any]) -> bool:
+    if holder is None:  # unreadable: garbage, unless a claim is being written this instant
+        age = _age_on_storage(lock)
+        return age is None or age > _BEING_WRITTEN_S
+    return _same_writer(holder, me) or _gone(holder, me, lock)
+
+
 def held_by_another_job(folder: Path) -> Optional[dict[str, Any]]:
     """The claim of another job that may still be writing ``folder`` (one that is not this job, nor gone), or None."""
-    holder, me = _read(Path(folder) / LOCK_NAME), this_job()
-    if holder is not None and not _same_writer(holder, me) and not _gone(holder, me):
+    lock, me = Path(folder) / LOCK_NAME, this_job()
+    holder = _read(lock)
+    if holder is not None and not _same_writer(holder, me) and not _gone(holder, me, lock):
         return holder
     return None
 
@@ -115,14 +152,14 @@ def _write_partial(lock: Path, record: dict[str, Any]) -> Path:
 
 
 def _create_exclusively(lock: Path, record: dict[str, Any]) -> bool:
-    """Create ``lock`` holding ``record`` unless it exists; complete or absent at every instant."""
+    """Create ``lock`` holding ``record`` unless it exists."""
     partial = _write_partial(lock, record)
     try:
-        os.link(partial, lock)  # fails if the lock exists: only one of two claimers creates it
+        os.link(partial, lock)  # complete at once, and fails if the lock exists: one of two claimers creates it
         return True
     except FileExistsError:
         return False
-    except OSError:  # a file system without hard links: an exclusive create, written after
+    except OSError:  # a file system without hard links: an exclusive create, written after (see _takeable)
         try:
             with open(lock, "x") as stream:
                 stream.write(json.dumps(record))
@@ -134,19 +171,37 @@ def _create_exclusively(lock: Path, record: dict[str, Any]) -> bool:
             partial.unlink()
 
 
+def _set_aside(lock: Path, judged: Optional[dict[str, Any]]) -> bool:
+    """Move the claim judged takeable out of the way; False if what was moved is not it (another claimer was faster:
+    its new claim is put back)."""
+    aside = lock.with_name(f"{lock.name}.{uuid.uuid4().hex}.taken")
+    try:
+        os.rename(lock, aside)  # of two claimers renaming one file, one succeeds
+    except FileNotFoundError:
+        return True  # already moved by another claimer: the exclusive create decides
+    moved = _read(aside)
+    if judged is not None and moved != judged:
+        with contextlib.suppress(OSError):
+            os.link(aside, lock)  # back, unless yet another claim is there
+        aside.unlink(missing_ok=True)
+        return False
+    aside.unlink(missing_ok=True)
+    return True
+
+
 def claim(folder: Path) -> Path:
     """Claim ``folder`` for this job (rank 0 only); raises :class:`CheckpointStorageError` if another job holds it."""
     lock, me = Path(folder) / LOCK_NAME, this_job()
-    if not _create_exclusively(lock, me):
+    for _ in range(3):
+        if _create_exclusively(lock, me):
+            _start_heartbeat()
+            return lock
         holder = _read(lock)
-        if holder is not None and not _same_writer(holder, me) and not _gone(holder, me):
-            raise _refusal(folder, holder)
-        os.replace(_write_partial(lock, me), lock)  # a claim that is this job's, or a dead one's
-        holder = _read(lock)
-        if holder is None or holder.get("token") != me["token"]:  # another job took it over at the same instant
+        if not _takeable(lock, holder, me):
             raise _refusal(folder, holder or {})
-    _start_heartbeat()
-    return lock
+        if not _set_aside(lock, holder):
+            raise _refusal(folder, _read(lock) or {})
+    raise _refusal(folder, _read(lock) or {})  # claimed and taken over by others three times: contended
 
 
 def still_ours(folder: Path) -> Optional[dict[str, Any]]:
@@ -155,11 +210,15 @@ def still_ours(folder: Path) -> Optional[dict[str, Any]]:
     return None if holder is not None and holder.get("token") == _token() else (holder or {})
 
 
-def _beat_once() -> None:
-    for lock in list(_claimed.values()):
-        with contextlib.suppress(OSError):
-            if still_ours(lock.parent) is None:  # never overwrite a claim another job holds now
-                os.replace(_write_partial(lock, this_job()), lock)
+def _beat_once(stop: threading.Event) -> None:
+    with _guard:
+        if stop.is_set():
+            return  # released meanwhile: a beat now would bring the claim back
+        for lock in list(_claimed.values()):
+            with contextlib.suppress(OSError):
+                holder = _read(lock)
+                if holder is not None and holder.get("token") == _token():  # never overwrite another job's claim
+                    os.replace(_write_partial(lock, {**holder, "beat": time.time()}), lock)
 
 
 def _start_heartbeat() -> None:
@@ -167,20 +226,24 @@ def _start_heartbeat() -> None:
     if _heartbeat is not None:
         return
     stop, period = threading.Event(), max(lease_seconds() / 10, 0.05)
-    _heartbeat = stop
 
     def beat() -> None:
         while not stop.wait(period):
-            _beat_once()
+            _beat_once(stop)
 
-    threading.Thread(target=beat, name="hpz-writer-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=beat, name="hpz-writer-heartbeat", daemon=True)
+    _heartbeat = (stop, thread)
+    thread.start()
 
 
 def _stop_heartbeat() -> None:
     global _heartbeat
     if _heartbeat is not None:
-        _heartbeat.set()
+        stop, thread = _heartbeat
+        stop.set()
         _heartbeat = None
+        if thread is not threading.current_thread():
+            thread.join(timeout=30)
 
 
 def release(lock: Path) -> None:
@@ -198,12 +261,7 @@ def claim_for_this_job(folder: Path) -> None:
     refusal, lock = None, None
     if collectives.rank() == 0:
         try:
-            if key in _claimed:
-                holder = still_ours(Path(folder))
-                if holder is not None:
-                    raise _refusal(folder, holder)
-            else:
-                lock = claim(Path(folder))
+            lock = _claim_or_confirm(Path(folder), key)
         except CheckpointStorageError as error:
             refusal = str(error)
         except OSError as error:  # raised here alone, the other ranks would wait in the broadcast
@@ -218,9 +276,33 @@ def claim_for_this_job(folder: Path) -> None:
     _claimed[key] = lock or Path(folder) / LOCK_NAME
 
 
+def _claim_or_confirm(folder: Path, key: str) -> Optional[Path]:
+    if key not in _claimed:
+        return claim(folder)
+    holder = still_ours(folder)
+    if holder == {}:  # deleted by hand (or by a cleanup): claimed again, as at the first save
+        return claim(folder)
+    if holder is not None:
+        raise _refusal(folder, holder)
+    return None
+
+
 def release_all() -> None:
     """At teardown (or exit): give up every folder this process claimed."""
     atexit.unregister(release_all)
     _stop_heartbeat()
-    while _claimed:
-        release(_claimed.popitem()[1])
+    with _guard:
+        while _claimed:
+            release(_claimed.popitem()[1])
+
+
+def _forget_inherited_claims() -> None:
+    """In a child forked while claims were held: they are the parent's, and so is the heartbeat thread."""
+    global _heartbeat, _guard
+    _claimed.clear()
+    _heartbeat = None
+    _guard = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inherited_claims)

@@ -6,6 +6,10 @@ While DeepSpeed saves, its engine's ``checkpoint_engine`` (the object every shar
 ``DeepSpeedEngine._save_checkpoint``, ``_save_zero_checkpoint``) is wrapped: ``torch.save`` writes into a stream
 that feeds each chunk to blake2b on its way to the file, which is then ``fsync``ed and dropped from the page cache.
 The digests are the writer's; files written otherwise (DeepSpeed's ``latest``) are left to the commit to read back.
+A write that fails (a full disk or quota, which network file systems often report only at ``fsync``) is recorded,
+not raised: raised on this rank alone, inside DeepSpeed's save, it would leave the other ranks waiting in DeepSpeed's
+barrier until the process group times out. The commit raises it on every rank. The zip archive's inner folder is
+named ``archive`` (torch's name when saving into a stream) rather than after the file; ``torch.load`` does not care.
 """
 
 from __future__ import annotations
@@ -48,20 +52,16 @@ class HashedWrites:
         self.inner = inner
         self.checkpoint_dir = Path(checkpoint_dir).resolve()
         self.digests: dict[str, dict[str, Any]] = {}  # by name relative to the checkpoint: {"size", "blake2b"}
+        self.failures: list[str] = []  # writes that failed, for the commit to raise on every rank
 
     def save(self, state_dict: Any, path: Any) -> None:
         name = self._name(path)
         if name is None:
             return self.inner.save(state_dict, path)
-        new_format = getattr(self.inner, "zipfile_serialization", True)
-        with open(path, "wb") as file:
-            stream = _HashingStream(file)
-            torch.save(state_dict, stream, _use_new_zipfile_serialization=new_format)
-            file.flush()
-            os.fsync(file.fileno())  # durable before the commit relies on it
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # a shard is not read again soon
-        self.digests[name] = {"size": stream.size, "blake2b": stream.digest.hexdigest()}
+        try:
+            self.digests[name] = _write_hashed(state_dict, path, getattr(self.inner, "zipfile_serialization", True))
+        except Exception as error:  # any failure: raised by the commit on every rank
+            self.failures.append(f"writing {path}: {type(error).__name__}: {error}")
         return None
 
     def _name(self, path: Any) -> Optional[str]:
@@ -72,6 +72,18 @@ class HashedWrites:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def _write_hashed(state_dict: Any, path: Any, new_format: bool) -> dict[str, Any]:
+    with open(path, "wb") as file:
+        stream = _HashingStream(file)
+        torch.save(state_dict, stream, _use_new_zipfile_serialization=new_format)
+        file.flush()
+        os.fsync(file.fileno())  # durable before the commit relies on it
+        if hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):  # a hint: a shard is not read again soon
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return {"size": stream.size, "blake2b": stream.digest.hexdigest()}
 
 
 @contextlib.contextmanager

@@ -304,7 +304,8 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         with commit.committed_save(path, run) as staging:
             with partitioning.hashing_writes(engine, staging) as writes:  # each shard checksummed as it is written
                 super().save_checkpoint(staging, state)
-            commit.hashed_while_written(staging, writes.digests if writes is not None else {})
+            if writes is not None:
+                commit.hashed_while_written(staging, writes.digests, writes.failures)
         self.committed_checkpoint = str(path)  # named if a lost peer ends the run (peer_watchdog.py)
 
     @override

@@ -279,7 +279,8 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         with commit.committed_save(Path(filepath), run) as staging:  # visible at `filepath` once complete
             with partitioning.hashing_writes(self.model, staging) as writes:  # each shard checksummed as it is written
                 super().save_checkpoint(checkpoint, staging, storage_options)
-            commit.hashed_while_written(staging, writes.digests if writes is not None else {})
+            if writes is not None:
+                commit.hashed_while_written(staging, writes.digests, writes.failures)
         self.committed_checkpoint = str(filepath)  # named if a lost peer ends the run (peer_watchdog.py)
         if self.handle_preemption:
             self._save_deadline.observe(time.monotonic() - started)
