@@ -26,13 +26,17 @@ import lightning_hpz
 
 
 class TwoGroupRegressor(ToyRegressor):
-    """Decay on the weight matrices only, as LLM recipes do: two parameter groups that a resize must keep apart."""
+    """Decay on the weight matrices only, as LLM recipes do: two parameter groups that a resize must keep apart (the
+    second also with its own learning rate and betas, so that a group given the first group's settings shows)."""
 
     def configure_optimizers(self):
         named = list(self.named_parameters())
         decay = [p for name, p in named if p.ndim > 1]
         no_decay = [p for name, p in named if p.ndim <= 1]
-        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [
+            {"params": decay, "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3, "betas": (0.8, 0.99)},
+        ]
         return torch.optim.AdamW(groups, lr=3e-3)
 
 
@@ -48,7 +52,7 @@ class ResumeRecorder(L.Callback):
 
         self.record["start_step"] = trainer.global_step
         groups = trainer.strategy.model.optimizer.param_groups
-        self.record["weight_decay"] = [group["weight_decay"] for group in groups]
+        self.record["groups"] = [{key: group[key] for key in ("lr", "weight_decay", "betas")} for group in groups]
         params = dict(pl_module.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values()), enabled=self.job.get("stage", 3) == 3):
             weights = {name: p.detach().clone().float() for name, p in params.items()}
