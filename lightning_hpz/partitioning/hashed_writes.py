@@ -17,14 +17,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-# DeepSpeed's plain torch.save engine: the one this wrapper writes for (the asynchronous writers are refused at setup)
-WRAPPED_ENGINE = "TorchCheckpointEngine"
+from lightning_hpz.partitioning.checkpoint_engine_wrapper import CheckpointEngineWrapper, engine_wrapped
 
 
 class _HashingStream:
@@ -45,17 +43,16 @@ class _HashingStream:
         self.stream.flush()
 
 
-class HashedWrites:
+class HashedWrites(CheckpointEngineWrapper):
     """A checkpoint engine whose ``save`` hashes each file while writing it; everything else is the wrapped one's."""
 
     def __init__(self, inner: Any, checkpoint_dir: Path) -> None:
-        self.inner = inner
-        self.checkpoint_dir = Path(checkpoint_dir).resolve()
+        super().__init__(inner, checkpoint_dir)
         self.digests: dict[str, dict[str, Any]] = {}  # by name relative to the checkpoint: {"size", "blake2b"}
         self.failures: list[str] = []  # writes that failed, for the commit to raise on every rank
 
     def save(self, state_dict: Any, path: Any) -> None:
-        name = self._name(path)
+        name = self.name_in_checkpoint(path)
         if name is None:
             return self.inner.save(state_dict, path)
         try:
@@ -63,15 +60,6 @@ class HashedWrites:
         except Exception as error:  # any failure: raised by the commit on every rank
             self.failures.append(f"writing {path}: {type(error).__name__}: {error}")
         return None
-
-    def _name(self, path: Any) -> Optional[str]:
-        try:
-            return str(Path(path).resolve().relative_to(self.checkpoint_dir))
-        except ValueError:
-            return None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def _write_hashed(state_dict: Any, path: Any, new_format: bool) -> dict[str, Any]:
@@ -86,17 +74,7 @@ def _write_hashed(state_dict: Any, path: Any, new_format: bool) -> dict[str, Any
     return {"size": stream.size, "blake2b": stream.digest.hexdigest()}
 
 
-@contextlib.contextmanager
-def hashing_writes(engine: Any, checkpoint_dir: Path) -> Iterator[Optional[HashedWrites]]:
+def hashing_writes(engine: Any, checkpoint_dir: Path) -> contextlib.AbstractContextManager[Optional[HashedWrites]]:
     """While DeepSpeed saves ``engine`` into ``checkpoint_dir``, hash every file it writes; yields the wrapper (None for
     another checkpoint engine: the commit then reads every file back)."""
-    inner = getattr(engine, "checkpoint_engine", None)
-    if type(inner).__name__ != WRAPPED_ENGINE or not callable(getattr(inner, "save", None)):
-        yield None
-        return
-    writes = HashedWrites(inner, checkpoint_dir)
-    engine.checkpoint_engine = writes
-    try:
-        yield writes
-    finally:
-        engine.checkpoint_engine = inner
+    return engine_wrapped(engine, "save", lambda inner: HashedWrites(inner, checkpoint_dir))

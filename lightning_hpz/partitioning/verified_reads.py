@@ -20,40 +20,29 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_hpz.partitioning.checkpoint_engine_wrapper import CheckpointEngineWrapper, engine_wrapped
+
 # check(name, mapping): raises unless the mapped bytes of ``name`` (relative to the checkpoint) are the recorded ones
 Check = Callable[[str, Any], None]
 
-# DeepSpeed's plain torch.load engine: the one this wrapper reads for (the asynchronous writers are refused at setup)
-WRAPPED_ENGINE = "TorchCheckpointEngine"
 
-
-class VerifiedReads:
+class VerifiedReads(CheckpointEngineWrapper):
     """A checkpoint engine whose ``load`` checks each listed file it reads; everything else is the wrapped one's."""
 
     def __init__(self, inner: Any, checkpoint_dir: Path, sizes: dict[str, int], check: Check) -> None:
-        self.inner = inner
-        self.checkpoint_dir = Path(checkpoint_dir).resolve()
+        super().__init__(inner, checkpoint_dir)
         self.sizes = sizes  # the files to check, by name relative to the checkpoint, with their recorded sizes
         self.check = check
         self.verified: list[str] = []  # names, in the order DeepSpeed read them
 
     def load(self, path: Any, map_location: Any = None) -> Any:
-        name = self._name(path)
+        name = self.name_in_checkpoint(path)
         if name is None or not self.sizes.get(name):  # not listed, or empty (nothing to map)
             return self.inner.load(path, map_location=map_location)
         with open(path, "rb") as stream, mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
             self.check(name, mapping)
             self.verified.append(name)
             return torch.load(mapping, map_location=map_location, weights_only=False)
-
-    def _name(self, path: Any) -> Optional[str]:
-        try:
-            return str(Path(path).resolve().relative_to(self.checkpoint_dir))
-        except ValueError:
-            return None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 @contextlib.contextmanager
@@ -62,13 +51,8 @@ def verifying_reads(
 ) -> Iterator[Optional[VerifiedReads]]:
     """While DeepSpeed loads ``checkpoint_dir`` into ``engine``, verify every file it reads; yields the wrapper (None
     without a manifest or for another checkpoint engine: nothing is checked then)."""
-    inner = getattr(engine, "checkpoint_engine", None)
-    if sizes is None or type(inner).__name__ != WRAPPED_ENGINE or not callable(getattr(inner, "load", None)):
+    if sizes is None:
         yield None
         return
-    reads = VerifiedReads(inner, checkpoint_dir, sizes, check)
-    engine.checkpoint_engine = reads
-    try:
+    with engine_wrapped(engine, "load", lambda inner: VerifiedReads(inner, checkpoint_dir, sizes, check)) as reads:
         yield reads
-    finally:
-        engine.checkpoint_engine = inner

@@ -18,6 +18,7 @@ import deepspeed
 import lightning as L
 import torch
 from deepspeed import DeepSpeedEngine
+from fabric_toy_step import train_step
 from optimizer_moments import whole_moments
 from torch import nn
 
@@ -40,15 +41,6 @@ def build(fabric: L.Fabric, optimizer: str) -> tuple[nn.Module, torch.optim.Opti
         {"params": vectors, "weight_decay": 0.0, "lr": 5e-3, "betas": (0.8, 0.99)},
     ]
     return fabric.setup(model, torch.optim.AdamW(groups, lr=1e-2))
-
-
-def train_step(fabric: L.Fabric, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * step + fabric.global_rank))
-    loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin())
-    fabric.backward(loss, model=model)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
 
 
 def whole_state(model: nn.Module, stage: int) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from deepspeed import DeepSpeedEngine
+from fabric_toy_step import train_step
 from torch import nn
 
 import lightning_hpz
@@ -30,16 +31,6 @@ def build(fabric: L.Fabric) -> tuple[nn.Module, torch.optim.Optimizer]:
     with fabric.init_module():
         model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     return fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-
-
-def train_step(fabric: L.Fabric, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
-    """One step on the batch of ``step`` and this rank, the same in every run."""
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * step + fabric.global_rank))
-    loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin())
-    fabric.backward(loss, model=model)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
 
 
 def held_state(model: nn.Module) -> list[torch.Tensor]:
