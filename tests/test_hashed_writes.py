@@ -5,6 +5,7 @@ DeepSpeed's own ``TorchCheckpointEngine`` writes, in both of torch's formats (De
 without a checkpoint config), inside a real commit.
 """
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -55,3 +56,34 @@ def test_another_checkpoint_engine_is_left_alone(tmp_path):
     engine = SimpleNamespace(checkpoint_engine=other)
     with hashing_writes(engine, tmp_path) as writes:
         assert writes is None and engine.checkpoint_engine is other
+
+
+class _EngineWithSave:
+    """DeepSpeed's save_checkpoint reduced to its I/O: shards through the checkpoint engine, `latest` by rank 0."""
+
+    def __init__(self) -> None:
+        self.checkpoint_engine = TorchCheckpointEngine()
+        self.asked_for_latest = []
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True):  # noqa: B006 - DeepSpeed's
+        self.asked_for_latest.append(save_latest)
+        self.checkpoint_engine.save({"w": torch.ones(8)}, str(Path(save_dir) / tag / "mp_rank_00_model_states.pt"))
+        if save_latest:
+            (Path(save_dir) / "latest").write_text(tag)
+
+
+def test_latest_is_written_by_the_commit_not_by_deepspeed(tmp_path):
+    # rank 0 writes `latest` alone, just before DeepSpeed's barrier: failing there, it would hang the other ranks
+    engine = _EngineWithSave()
+    final = tmp_path / "last.ckpt"
+    with commit.committed_save(final, {"global_step": 1}) as staging:
+        (staging / "checkpoint").mkdir(parents=True)
+        with hashing_writes(engine, staging) as writes:
+            engine.save_checkpoint(staging, tag="checkpoint", client_state={})
+            assert not (staging / "latest").exists()
+        commit.hashed_while_written(staging, writes.digests, writes.failures, writes.latest_tag)
+    assert engine.asked_for_latest == [False] and "save_checkpoint" not in vars(engine)  # the method is back
+    assert (final / "latest").read_text() == "checkpoint"
+    recorded = read_manifest(final)
+    assert sorted(recorded["files"]) == ["checkpoint/mp_rank_00_model_states.pt", "latest"]
+    assert verify_files(final, recorded, list(recorded["files"])) == []

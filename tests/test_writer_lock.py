@@ -147,3 +147,29 @@ def test_a_save_refused_by_another_jobs_claim_leaves_its_staged_copy_alone(tmp_p
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_claim_kept_alive_at_a_longer_lease_is_not_taken_over(tmp_path, monkeypatch):
+    # the holder beats every tenth of its own lease: judged by this job's shorter one, it would look dead between beats
+    monkeypatch.setenv(LEASE_ENV_VAR, "60")
+    _claimed_by(tmp_path, job="4242", host="another-node", pid=1, lease=3000)
+    _last_written(tmp_path, 200)
+    with pytest.raises(CheckpointStorageError, match="being written by job 4242"):
+        claim(tmp_path)
+
+
+def test_a_lock_that_cannot_be_read_counts_as_held(tmp_path, monkeypatch):
+    _claimed_by(tmp_path, job="4242", host="another-node", pid=1)
+    _last_written(tmp_path, 2 * DEFAULT_LEASE_S)
+    original = Path.read_text
+
+    def unreadable(path, *args, **kwargs):
+        if path.name == LOCK_NAME:
+            raise PermissionError(13, "Permission denied", str(path))
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", unreadable)
+    with pytest.raises(PermissionError):
+        claim(tmp_path)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["job"] == "4242"  # left in place

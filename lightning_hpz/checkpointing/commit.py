@@ -32,19 +32,32 @@ from lightning_hpz.checkpointing.staging import replaced_path, staging_path
 log = logging.getLogger(__name__)
 _written: dict[Path, dict[str, Any]] = {}  # staging folder -> this rank's files hashed while written, by name
 _failed_writes: dict[Path, list[str]] = {}  # staging folder -> this rank's writes that failed
+_latest_tags: dict[Path, str] = {}  # staging folder -> the tag DeepSpeed's `latest` must name (written here)
 
 
-def hashed_while_written(staging: Path, digests: dict[str, Any], failures: Optional[list[str]] = None) -> None:
+def hashed_while_written(
+    staging: Path, digests: dict[str, Any], failures: Optional[list[str]] = None, latest_tag: Optional[str] = None
+) -> None:
     """Register the files this rank wrote into ``staging`` and hashed as it wrote them ({name: {size, blake2b}}):
-    the commit takes their digests instead of reading them back, and raises ``failures`` on every rank."""
+    the commit takes their digests instead of reading them back, raises ``failures`` on every rank, and writes
+    DeepSpeed's ``latest`` naming ``latest_tag`` (left to it: see ``partitioning/hashed_writes.py``)."""
     _written.setdefault(Path(staging), {}).update(digests)
     _failed_writes.setdefault(Path(staging), []).extend(failures or [])
+    if latest_tag is not None:
+        _latest_tags[Path(staging)] = latest_tag
 
 
-def _raise_failed_writes(staging: Path) -> None:
-    failures = _failed_writes.pop(staging, [])
+def _finish_writes(staging: Path, mine: dict[str, Any]) -> None:
+    """This rank's part before the checksums: raise its failed writes, write `latest` (rank 0), and make durable the
+    files it wrote that were not hashed (and synced) as they were written."""
+    failures, tag = _failed_writes.pop(staging, []), _latest_tags.pop(staging, None)
     if failures:
         raise OSError("; ".join(failures))
+    rank, world = collectives.rank(), collectives.world_size()
+    if tag is not None and rank == 0:
+        (staging / manifest.LATEST_NAME).write_text(tag)
+    unsynced = [name for name in manifest.files_written_by(staging, rank, world) if name not in mine]
+    durability.persist_files(staging, unsynced)
 
 
 @contextmanager
@@ -52,8 +65,8 @@ def committed_save(final: Path, run: dict[str, Any]) -> Iterator[Path]:
     """Yield the staging directory to save into; on exit, checksum, write the manifest and move it to ``final``."""
     final = Path(final)
     staging = staging_path(final)
-    _written.pop(staging, None)  # left by a save that failed
-    _failed_writes.pop(staging, None)
+    for left_by_a_failed_save in (_written, _failed_writes, _latest_tags):
+        left_by_a_failed_save.pop(staging, None)
     if collectives.rank() == 0:
         staging.parent.mkdir(parents=True, exist_ok=True)
     collectives.barrier()
@@ -76,8 +89,7 @@ def _commit(staging: Path, final: Path, run: dict[str, Any]) -> None:
     rank, world = collectives.rank(), collectives.world_size()
     mine = _written.pop(staging, {})
     # the writer of each file makes it durable (its own client holds the dirty pages on a network file system)
-    unsynced = [name for name in manifest.files_written_by(staging, rank, world) if name not in mine]
-    _on_every_rank(lambda: _raise_failed_writes(staging) or durability.persist_files(staging, unsynced), final)
+    _on_every_rank(lambda: _finish_writes(staging, mine), final)
     # listed once, by rank 0: a network file system may show another rank a stale listing, and the shares must agree
     sizes = _on_every_rank(lambda: _sizes(staging) if rank == 0 else None, final)[0]
     hashed = {name: entry for part in _on_every_rank(lambda: mine, final) for name, entry in part.items()}

@@ -12,8 +12,10 @@ claimer can do, and the exclusive create follows; every later save checks the to
 folder. Taken over: a claim by the same job (a requeued SLURM job, a restarted torchrun job), one left on this host
 by a process that no longer exists, or one not rewritten for longer than the lease (a job killed on another node:
 without the lease its folder stayed locked until someone deleted the file by hand, and its interrupted commits
-unrepaired). The age is the file's modification time against a probe file's, both stamped by the storage, so clocks
-that differ between hosts do not matter. Any other claim is refused with what to do.
+unrepaired). The age is the file's modification time against a probe file's, both stamped by the storage on NFS and
+local disks, so the hosts' clocks do not matter there (Lustre stamps with the writing client's clock: keep clocks
+within the lease). The lease is the holder's (recorded in the claim) if longer than the claimer's. A lock that cannot
+be read (permissions, a stale handle) counts as held. Any other claim is refused with what to do.
 """
 
 from __future__ import annotations
@@ -72,13 +74,16 @@ def this_job() -> dict[str, Any]:
     now = time.time()
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
     host, pid = socket.gethostname(), os.getpid()
-    return {"job": job, "host": host, "pid": pid, "since": since, "beat": now, "token": _token()}
+    record = {"job": job, "host": host, "pid": pid, "since": since, "beat": now, "token": _token()}
+    return {**record, "lease": lease_seconds()}
 
 
 def _read(lock: Path) -> Optional[dict[str, Any]]:
+    """The claim in ``lock``; None when there is none or it is not a claim (garbage, cut short). A lock that exists
+    but cannot be read raises OSError: it may be a live claim."""
     try:
         record = json.loads(lock.read_text())
-    except (OSError, ValueError):
+    except (FileNotFoundError, ValueError):
         return None
     return record if isinstance(record, dict) else None
 
@@ -93,9 +98,11 @@ def _age_on_storage(path: Path) -> Optional[float]:
     """Seconds since ``path`` was last written, by the storage's clock (a probe file's time beside it)."""
     probe = path.with_name(f"{path.name}.{uuid.uuid4().hex}.age")
     try:
+        with open(path, "rb") as stream:  # opened: NFS revalidates the attributes (close-to-open), no cached mtime
+            written = os.fstat(stream.fileno()).st_mtime
         probe.touch()
         try:
-            return probe.stat().st_mtime - path.stat().st_mtime
+            return probe.stat().st_mtime - written
         finally:
             probe.unlink(missing_ok=True)
     except OSError:
@@ -104,8 +111,10 @@ def _age_on_storage(path: Path) -> Optional[float]:
 
 def _gone(holder: dict[str, Any], me: dict[str, Any], lock: Path) -> bool:
     """The holder no longer writes: its claim was not rewritten for a lease (any host), or its process is gone."""
-    age = _age_on_storage(lock)
-    if age is not None and age > lease_seconds():
+    age, lease = _age_on_storage(lock), lease_seconds()
+    with contextlib.suppress(TypeError, ValueError):
+        lease = max(lease, float(holder.get("lease") or 0))  # the holder beats at its own lease's pace
+    if age is not None and age > lease:
         return True  # no heartbeat for a lease: its job is dead
     if holder.get("host") != me["host"]:
         return False  # alive by its heartbeat
@@ -113,7 +122,7 @@ def _gone(holder: dict[str, Any], me: dict[str, Any], lock: Path) -> bool:
         os.kill(int(holder["pid"]), 0)
     except ProcessLookupError:
         return True
-    except (PermissionError, KeyError, TypeError, ValueError):
+    except (PermissionError, KeyError, TypeError, ValueError, OverflowError):
         return False
     return False
 
@@ -180,13 +189,22 @@ def _set_aside(lock: Path, judged: Optional[dict[str, Any]]) -> bool:
     except FileNotFoundError:
         return True  # already moved by another claimer: the exclusive create decides
     moved = _read(aside)
-    if judged is not None and moved != judged:
-        with contextlib.suppress(OSError):
-            os.link(aside, lock)  # back, unless yet another claim is there
-        aside.unlink(missing_ok=True)
+    if moved != judged:  # another claimer's new claim: back where it was
+        _put_back(aside, lock)
         return False
     aside.unlink(missing_ok=True)
     return True
+
+
+def _put_back(aside: Path, lock: Path) -> None:
+    try:
+        os.link(aside, lock)  # back, unless yet another claim is there
+    except FileExistsError:
+        pass
+    except OSError:  # no hard links: an exclusive create of the same bytes
+        with contextlib.suppress(FileExistsError), open(lock, "xb") as stream:
+            stream.write(aside.read_bytes())
+    aside.unlink(missing_ok=True)
 
 
 def claim(folder: Path) -> Path:
@@ -197,6 +215,9 @@ def claim(folder: Path) -> Path:
             _start_heartbeat()
             return lock
         holder = _read(lock)
+        if holder is not None and holder.get("token") == me["token"]:
+            _start_heartbeat()
+            return lock  # this process's own claim (a save that asked again)
         if not _takeable(lock, holder, me):
             raise _refusal(folder, holder or {})
         if not _set_aside(lock, holder):
@@ -218,7 +239,11 @@ def _beat_once(stop: threading.Event) -> None:
             with contextlib.suppress(OSError):
                 holder = _read(lock)
                 if holder is not None and holder.get("token") == _token():  # never overwrite another job's claim
-                    os.replace(_write_partial(lock, {**holder, "beat": time.time()}), lock)
+                    partial = _write_partial(lock, {**holder, "beat": time.time()})
+                    try:
+                        os.replace(partial, lock)
+                    finally:
+                        partial.unlink(missing_ok=True)
 
 
 def _start_heartbeat() -> None:
@@ -248,9 +273,9 @@ def _stop_heartbeat() -> None:
 
 def release(lock: Path) -> None:
     """Remove the claim if it is still this process's."""
-    holder = _read(lock)
-    if holder is not None and holder.get("token") == _token():
-        with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):
+        holder = _read(lock)
+        if holder is not None and holder.get("token") == _token():
             lock.unlink()
 
 
@@ -264,8 +289,8 @@ def claim_for_this_job(folder: Path) -> None:
             lock = _claim_or_confirm(Path(folder), key)
         except CheckpointStorageError as error:
             refusal = str(error)
-        except OSError as error:  # raised here alone, the other ranks would wait in the broadcast
-            refusal = f"Cannot claim checkpoint folder {folder} for this job: {error}."
+        except Exception as error:  # raised here alone, the other ranks would wait in the broadcast
+            refusal = f"Cannot claim checkpoint folder {folder} for this job: {type(error).__name__}: {error}."
     refusal = collectives.broadcast_object(refusal)
     if refusal is not None:
         raise CheckpointStorageError(refusal)

@@ -305,7 +305,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
             with partitioning.hashing_writes(engine, staging) as writes:  # each shard checksummed as it is written
                 super().save_checkpoint(staging, state)
             if writes is not None:
-                commit.hashed_while_written(staging, writes.digests, writes.failures)
+                commit.hashed_while_written(staging, writes.digests, writes.failures, writes.latest_tag)
         self.committed_checkpoint = str(path)  # named if a lost peer ends the run (peer_watchdog.py)
 
     @override

@@ -280,7 +280,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
             with partitioning.hashing_writes(self.model, staging) as writes:  # each shard checksummed as it is written
                 super().save_checkpoint(checkpoint, staging, storage_options)
             if writes is not None:
-                commit.hashed_while_written(staging, writes.digests, writes.failures)
+                commit.hashed_while_written(staging, writes.digests, writes.failures, writes.latest_tag)
         self.committed_checkpoint = str(filepath)  # named if a lost peer ends the run (peer_watchdog.py)
         if self.handle_preemption:
             self._save_deadline.observe(time.monotonic() - started)
