@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from lightning_hpz import collectives, durability
 from lightning_hpz.checkpointing import manifest
-from lightning_hpz.checkpointing.errors import CheckpointStorageError
+from lightning_hpz.checkpointing.rank_agreement import on_rank_zero, problems_found_together
 from lightning_hpz.checkpointing.staging import REPLACED_SUFFIX, STAGING_FOLDER, replaced_path, staging_path
 
 log = logging.getLogger(__name__)
@@ -75,42 +75,22 @@ def staged_copy_verifies(staging: Path) -> bool:
         except (OSError, ValueError):  # unreadable (a manifest cut short): not a copy to roll forward to
             recorded = None
     recorded = collectives.broadcast_object(recorded)
-    if not recorded:
-        return False
-    sizes = {name: entry["size"] for name, entry in recorded["files"].items()}
-    share = manifest.balanced_share(sizes, collectives.rank(), collectives.world_size())
-    try:
-        problems = manifest.verify_files(staging, recorded, share)
-    except OSError as error:
-        problems = [str(error)]
-    return not any(collectives.all_gather_object(problems))
+    return bool(recorded) and not problems_found_together(staging, recorded)
 
 
 def repair_together(finals: list[Path]) -> dict[Path, str]:
     """Collective: repair the interrupted commits among rank 0's ``finals`` (the other ranks' are ignored); what was
     done, by path. A failure on rank 0 is raised on every rank."""
-    plan: Optional[dict[str, Any]] = None
-    if collectives.rank() == 0:
-        try:
-            plan = {"finals": [str(final) for final in finals if interrupted(Path(final))]}
-        except OSError as error:  # raised on rank 0 alone, the other ranks would wait in the broadcast
-            plan = {"error": f"Cannot look for interrupted commits of {[str(f) for f in finals]}: {error}"}
-    plan = collectives.broadcast_object(plan)
-    if "error" in plan:
-        raise CheckpointStorageError(plan["error"])
+    looked_for = f"Cannot look for interrupted commits of {[str(f) for f in finals]}"
+    plan = on_rank_zero(lambda: [str(final) for final in finals if interrupted(Path(final))], looked_for)
     done: dict[Path, str] = {}
-    for final in map(Path, plan["finals"]):
+    for final in map(Path, plan):
         verifies = staged_copy_verifies(staging_path(final))
-        outcome: dict[str, str] = {}
-        if collectives.rank() == 0:
-            try:
-                outcome = {"done": repair_interrupted_commit(final, verifies)}
-            except OSError as error:  # raised on rank 0 alone, the other ranks would wait in the broadcast
-                outcome = {"error": f"Cannot repair the interrupted commit of {final}: {error}"}
-        outcome = collectives.broadcast_object(outcome)
-        if "error" in outcome:
-            raise CheckpointStorageError(outcome["error"])
-        if outcome["done"]:
-            log.warning("Checkpoint %s: its save was interrupted while committing; %s.", final, outcome["done"])
-            done[final] = outcome["done"]
+        what = on_rank_zero(
+            lambda final=final, verifies=verifies: repair_interrupted_commit(final, verifies),
+            f"Cannot repair the interrupted commit of {final}",
+        )
+        if what:
+            log.warning("Checkpoint %s: its save was interrupted while committing; %s.", final, what)
+            done[final] = what
     return done

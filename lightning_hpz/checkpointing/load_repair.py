@@ -15,25 +15,22 @@ from typing import Any
 
 from lightning_hpz import collectives
 from lightning_hpz.checkpointing import commit_repair, writer_lock
-from lightning_hpz.checkpointing.errors import CheckpointStorageError
+from lightning_hpz.checkpointing.rank_agreement import on_rank_zero
 
 log = logging.getLogger(__name__)
 
 
 def repair_folders(folders: list[Path]) -> None:
     """Collective: repair every interrupted commit in rank 0's ``folders`` (the other ranks' are ignored)."""
-    finals: list[Path] = []
-    error = None
-    if collectives.rank() == 0:
-        try:
-            for folder in folders:
-                if not _another_job_writes(folder):
-                    finals += commit_repair.interrupted_commits_in(folder)
-        except OSError as failure:  # raised on rank 0 alone, the other ranks would wait in the repair
-            error = f"Cannot look for interrupted commits in {folders}: {failure}"
-    error = collectives.broadcast_object(error)
-    if error:
-        raise CheckpointStorageError(error)
+
+    def interrupted() -> list[Path]:
+        finals: list[Path] = []
+        for folder in folders:
+            if not _another_job_writes(folder):
+                finals += commit_repair.interrupted_commits_in(folder)
+        return finals
+
+    finals = on_rank_zero(interrupted, f"Cannot look for interrupted commits in {folders}")
     commit_repair.repair_together(finals)
 
 

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_hpz import collectives
 from lightning_hpz.checkpointing import compatibility, load_repair, manifest, universal
 from lightning_hpz.checkpointing.errors import CheckpointIntegrityError, CheckpointMismatchError
+from lightning_hpz.checkpointing.rank_agreement import agreed, problems_found_together
 
 NO_MANIFEST_WARNING = (
     "Checkpoint {path} has no integrity manifest (written before lightning_hpz wrote one): loading it unverified."
@@ -63,9 +64,7 @@ def verify_universal_copy(copy: Path) -> None:
         rank_zero_warn(f"The universal-format copy {copy} has no manifest; it is loaded unverified. Delete it to have "
                        "it converted (and sealed with a manifest) again.")  # fmt: skip
         return
-    sizes = {name: int(entry["size"]) for name, entry in recorded["files"].items()}
-    share = manifest.balanced_share(sizes, collectives.rank(), collectives.world_size())
-    problems = agreed(manifest.verify_files(copy, recorded, share))
+    problems = problems_found_together(copy, recorded)
     if problems:
         raise CheckpointIntegrityError(
             f"The universal-format copy {copy} is damaged: {'; '.join(problems)}. Delete {copy} and resume again: "
@@ -135,9 +134,7 @@ def refuse_inexact_resize(path: Path, saved: int, current: int, keep_data_order:
 
 def verify_integrity(path: Path, recorded: dict[str, Any]) -> None:
     """Each rank checksums a share of the files; the damaged ones, gathered, are reported by every rank alike."""
-    sizes = {name: int(entry["size"]) for name, entry in recorded["files"].items()}
-    share = manifest.balanced_share(sizes, collectives.rank(), collectives.world_size())
-    problems = agreed(manifest.verify_files(path, recorded, share))
+    problems = problems_found_together(path, recorded)
     if problems:
         raise CheckpointIntegrityError(_same_on_every_rank(lambda: manifest.damage_report(path, problems)))
 
@@ -153,14 +150,6 @@ def refuse_mismatches(path: Path, saved: dict[str, Any], current: dict[str, Any]
     problems = agreed(problems)
     if problems:
         raise CheckpointMismatchError(f"Cannot resume {path} in this run: " + " ".join(problems))
-
-
-def agreed(problems: list[str]) -> list[str]:
-    """Every rank's problems, in rank order without repeats: the same list on every rank."""
-    merged: list[str] = []
-    for part in collectives.all_gather_object(problems):
-        merged += [p for p in part if p not in merged]
-    return merged
 
 
 def _same_on_every_rank(build: Any) -> str:

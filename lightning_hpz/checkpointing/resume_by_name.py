@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,11 +31,8 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_hpz import collectives
 from lightning_hpz.checkpointing import load_repair, resume_choice
-from lightning_hpz.checkpointing.errors import CheckpointStorageError
-
-log = logging.getLogger(__name__)
+from lightning_hpz.checkpointing.rank_agreement import on_rank_zero
 
 
 class ResumeByName:
@@ -114,28 +110,12 @@ def choose(trainer: Any) -> None:
     by_name = getattr(trainer._checkpoint_connector, "by_name", None)
     if by_name is None or by_name.chosen:
         return
+    failure, errors = f"Cannot choose the checkpoint for ckpt_path={by_name.name!r}", (OSError, ValueError)
+    folders = on_rank_zero(lambda: run_folders(trainer), failure, errors)
     # the ranks repair together (each verifies a share of a staged copy), then rank 0 chooses
-    load_repair.repair_folders(_run_folders_on_rank_zero(trainer))
-    outcome: Optional[dict[str, Any]] = None
-    if collectives.rank() == 0:
-        try:
-            outcome = {"path": _choose_on_rank_zero(trainer, by_name)}
-        except (OSError, ValueError) as error:  # raised here alone, the other ranks would wait in the broadcast
-            outcome = {"error": f"Cannot choose the checkpoint for ckpt_path={by_name.name!r}: {error}"}
-    outcome = collectives.broadcast_object(outcome)
-    if "error" in outcome:
-        raise CheckpointStorageError(outcome["error"])
-    by_name.path, by_name.chosen = outcome["path"], True
-
-
-def _run_folders_on_rank_zero(trainer: Any) -> list[Path]:
-    if collectives.rank() != 0:
-        return []
-    try:
-        return run_folders(trainer)
-    except (OSError, ValueError) as error:  # rank 0 alone: the repair would leave the other ranks waiting
-        log.warning("Not repairing interrupted commits: cannot tell the run's checkpoint folders (%s).", error)
-        return []
+    load_repair.repair_folders(folders)
+    by_name.path = on_rank_zero(lambda: _choose_on_rank_zero(by_name, folders), failure, errors)
+    by_name.chosen = True
 
 
 def run_folders(trainer: Any) -> list[Path]:
@@ -157,8 +137,7 @@ def run_folders(trainer: Any) -> list[Path]:
     return folders
 
 
-def _choose_on_rank_zero(trainer: Any, by_name: ResumeByName) -> Optional[str]:
-    folders = run_folders(trainer)
+def _choose_on_rank_zero(by_name: ResumeByName, folders: list[Path]) -> Optional[str]:
     with warnings.catch_warnings(record=True) as held:  # "no last checkpoint" would be wrong if we find one
         warnings.simplefilter("always")
         lightning_choice = by_name.lightning_choice()

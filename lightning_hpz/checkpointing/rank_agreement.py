@@ -1,0 +1,54 @@
+"""How the ranks reach one answer about a checkpoint without any rank left waiting in a collective.
+
+A check or a file operation that runs on some ranks and fails on one would leave the others in the next collective
+until the process group times out. Here: a step rank 0 takes alone (:func:`on_rank_zero`) returns its result, or its
+error, on every rank; a check every rank takes part in (:func:`problems_found_together`) gathers every rank's
+findings into one list, the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lightning_hpz import collectives
+from lightning_hpz.checkpointing import manifest
+from lightning_hpz.checkpointing.errors import CheckpointStorageError
+
+Result = TypeVar("Result")
+
+
+def on_rank_zero(step: Callable[[], Result], failure: str, errors: tuple[type[Exception], ...] = (OSError,)) -> Result:
+    """Run ``step`` on rank 0 alone; its result on every rank. An ``errors`` exception there is raised on every rank
+    as :class:`CheckpointStorageError` ``"<failure>: <error>"``."""
+    outcome: Any = None
+    if collectives.rank() == 0:
+        try:
+            outcome = {"result": step()}
+        except errors as error:
+            outcome = {"error": f"{failure}: {error}"}
+    outcome = collectives.broadcast_object(outcome)
+    if "error" in outcome:
+        raise CheckpointStorageError(outcome["error"])
+    return outcome["result"]
+
+
+def agreed(problems: list[str]) -> list[str]:
+    """Every rank's problems, in rank order without repeats: the same list on every rank."""
+    merged: list[str] = []
+    for part in collectives.all_gather_object(problems):
+        merged += [p for p in part if p not in merged]
+    return merged
+
+
+def problems_found_together(folder: Path, recorded: dict[str, Any]) -> list[str]:
+    """Collective: each rank checksums an equal share, by bytes, of the files ``recorded`` (a manifest) lists in
+    ``folder``; one sentence per damaged or missing file (or unreadable share), the same list on every rank."""
+    sizes = {name: int(entry["size"]) for name, entry in recorded["files"].items()}
+    share = manifest.balanced_share(sizes, collectives.rank(), collectives.world_size())
+    try:
+        problems = manifest.verify_files(folder, recorded, share)
+    except OSError as error:  # raised on this rank alone, the others would wait in the gather
+        problems = [f"{folder}: cannot be read ({error})"]
+    return agreed(problems)
