@@ -17,7 +17,7 @@ import pytest
 from warm_launcher import WarmLauncher, free_port
 
 # Every run the suite launches takes the CUDA branches of Lightning a CPU can take (strategy/cuda_semantics.py,
-# docs/cuda-semantics.md): validate/test/predict under torch.inference_mode, as on every GPU. A test that needs the
+# docs/development.md): validate/test/predict under torch.inference_mode, as on every GPU. A test that needs the
 # gloo branch passes CUDA_SEMANTICS_OFF to run_script.
 os.environ.setdefault("LIGHTNING_HPZ_EMULATE_CUDA_SEMANTICS", "1")
 CUDA_SEMANTICS_OFF = {"LIGHTNING_HPZ_EMULATE_CUDA_SEMANTICS": "0"}

@@ -19,7 +19,7 @@ from lightning_hpz.lifecycle.run_exit import PEER_LOST_EXIT_CODE
 
 pytestmark = netns_marks()
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_loss_testbed.py"
-# a third of the default timeout keeps the suite short; the README's table is the benchmark's run at the default 45 s
+# a third of the default timeout keeps the suite short; the table in docs/operations.md is the default 45 s
 PEER_TIMEOUT = 15.0
 SHORTENED = ["--peer-timeout", str(PEER_TIMEOUT), "--slow-seconds", "25", "--slow-steps", "25"]
 

@@ -1,6 +1,6 @@
 """SIGTERM in every phase of a Trainer run, and in a Fabric loop: two real ZeRO-3 ranks over gloo, rank 0 signalled.
 
-Each test is one row of the table in README "Preemption and exit codes": the exit code, the seconds from the signal
+Each test is one row of the table in docs/operations.md, "Preemption": the exit code, the seconds from the signal
 to the exit of every rank (bounded: no hang), and whether a checkpoint was committed. 75 only with a checkpoint of
 this run committed; 143 when the run had nothing to save; never 0. The ranks are forked from the warm launcher as
 torchrun would start them (every rank reports the code); Lightning's own launcher is covered by test_preemption.py.
