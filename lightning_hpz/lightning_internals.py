@@ -28,8 +28,7 @@ Each use, the public route looked for first, and why it is not enough:
   and ``"hpc"`` are resolved there, on each rank alone, before any strategy hook; the choice needs the process
   group (a repair by one rank, the same answer on all). ``Strategy.load_checkpoint`` is public but is never called
   when Lightning found no ``last.ckpt``. So the connector's class is a subclass while an entry point runs
-  (:func:`checkpoint_connector_extended`). Lightning 2.6 added ``weights_only`` to its ``resume_start``; 2.5 has
-  none (:func:`weights_only_argument`).
+  (:func:`checkpoint_connector_extended`).
 - **``ModelCheckpoint.__resolve_ckpt_dir``** (name-mangled): the folder Lightning's own ``"last"`` lookup searches;
   ``dirpath`` is None until the callback's ``setup``, which runs after the resume is chosen.
 - **``Trainer._run``'s ``ckpt_path``**: the resolved resume path, stored on the Trainer only after the engine is
@@ -40,15 +39,19 @@ Each use, the public route looked for first, and why it is not enough:
 - **``fit_loop._should_accumulate()``**: whether the batch ends in an optimizer step, as Lightning's own
   ``ThroughputMonitor`` asks it; ``_plugin_to_compute_dtype`` is that monitor's dtype rule.
 - **Fabric**: ``Fabric._validate_setup_optimizers`` refuses every ``DeepSpeedStrategy`` in ``setup_optimizers``;
-  no public switch exists, so it is wrapped (at the first ``HpzFabricStrategy``, not at import) and passes this
-  package's strategy on (:func:`allow_separate_optimizer_setup`). ``_FabricOptimizer`` (an optimizer set up twice),
-  ``_get_deepspeed_engines_from_state`` (the engine Lightning's own save and load pick).
+  no public switch exists, so it is wrapped (when the first Fabric is built with ``HpzFabricStrategy``, not at
+  import) and passes this package's strategy on (:func:`allow_separate_optimizer_setup`). ``_FabricOptimizer``
+  (an optimizer set up twice), ``_get_deepspeed_engines_from_state`` (the engine Lightning's own save and load
+  pick).
 - **The connectors' ``_check_config_and_set_final_flags``**: the only place that sees an unknown ``strategy=`` name;
   wrapped to add "Did you mean 'hpz'?" to Lightning's own error (:func:`add_strategy_name_hints`).
 - **Data and checkpoints**: ``_set_sampler_epoch`` (Lightning's own way to reach a loader's sampler),
   ``_DatasetSamplerWrapper._sampler`` (the user's sampler inside Lightning's distributed one),
   ``_Stateful`` (the protocol Lightning's loops check), ``_validate_checkpoint_directory`` (Lightning's own
   message for a file given where a DeepSpeed checkpoint folder is expected).
+- **Lightning 2.5's public signatures**, handled here too: no ``weights_only`` in ``Strategy.load_checkpoint`` and
+  the connector's ``resume_start`` (:func:`weights_only_argument`), and a checkpoint conversion that reads
+  DeepSpeed's files with torch's ``weights_only=True`` default, which refuses them (:func:`convert_zero_checkpoint`).
 - **``loops.utilities._distributed_is_initialized``**: replaced only by :mod:`lightning_hpz.strategy.testing`, so
   that a CPU test takes the CUDA branch of the evaluation loops (:func:`evaluation_loops_see_no_gloo`).
 
@@ -62,7 +65,9 @@ import contextlib
 import functools
 import importlib
 import inspect
+import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
@@ -96,6 +101,7 @@ plugin_to_compute_dtype = _plugin_to_compute_dtype
 deepspeed_engines_in = _get_deepspeed_engines_from_state
 
 _LOOP_UTILITIES = "lightning.pytorch.loops.utilities"
+_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 # Lightning 2.6 added `fabric.setup(model, optimizer, scheduler)`: the strategy's engine build returns a third value
 _FABRIC_SETS_UP_SCHEDULERS = (
     "scheduler" in inspect.signature(_fabric_strategies.DeepSpeedStrategy.setup_module_and_optimizers).parameters
@@ -301,9 +307,37 @@ def script_launcher_procs(launcher: Any) -> Optional[list[Any]]:
 
 
 # ------------------------------------------------------------------------------------------ Trainer internals
+_LIGHTNING_25 = lightning.__version__.startswith("2.5.")
+
+
+def convert_zero_checkpoint(checkpoint_dir: str, output_file: str) -> dict[str, Any]:
+    """Lightning's ``convert_zero_checkpoint_to_fp32_state_dict`` (public), on 2.5 as on 2.6.
+
+    Lightning 2.5 reads the checkpoint's files with ``torch.load``'s default, which since torch 2.6 is
+    ``weights_only=True`` and refuses DeepSpeed's own classes in them; 2.6 passes ``weights_only=False``. On 2.5
+    that default is lifted for this call alone (torch's documented ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``), to read
+    the same files 2.6 reads.
+    """
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    if not _LIGHTNING_25:
+        return convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file)
+    previous = os.environ.get(_NO_WEIGHTS_ONLY)
+    os.environ[_NO_WEIGHTS_ONLY] = "1"
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=f".*{_NO_WEIGHTS_ONLY}")
+            return convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file)
+    finally:
+        if previous is None:
+            del os.environ[_NO_WEIGHTS_ONLY]
+        else:
+            os.environ[_NO_WEIGHTS_ONLY] = previous
+
+
 def weights_only_argument(weights_only: Optional[bool]) -> dict[str, Any]:
     """``weights_only`` for Lightning's ``load_checkpoint``/``resume_start``: 2.6 takes it, 2.5 has none."""
-    return {} if lightning.__version__.startswith("2.5.") else {"weights_only": weights_only}
+    return {} if _LIGHTNING_25 else {"weights_only": weights_only}
 
 
 class ExtensibleCheckpointConnector(_CheckpointConnector):

@@ -62,10 +62,12 @@ class HpzFabricStrategy(HpzSetup, FabricDeepSpeedHooks):
     _pending_clip: Optional[tuple[float, torch.Tensor]] = None  # (max_norm, the norm to fill) at the next step
     _preemption: Optional[PolledPreemption] = None  # the signals recorded from setup_environment to teardown
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # Fabric refuses `setup_optimizers` for every DeepSpeed strategy before asking it, although the strategy
-        # builds the engine; for this one its other checks keep their meaning, in this module's words.
+    @override
+    def configure_launcher(self) -> None:
+        super().configure_launcher()
+        # While Fabric is built with this strategy. Fabric refuses `setup_optimizers` for every DeepSpeed strategy
+        # before asking it, although the strategy builds the engine; for this one its other checks keep their
+        # meaning, in this module's words.
         allow_separate_optimizer_setup(_check_separate_optimizers)
 
     @override
