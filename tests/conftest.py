@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from warm_launcher import WarmLauncher, free_port
 
-# Every run the suite launches takes the CUDA branches of Lightning a CPU can take (strategy/cuda_semantics.py,
+# Every run the suite launches takes the CUDA branches of Lightning a CPU can take (strategy/testing.py,
 # docs/development.md): validate/test/predict under torch.inference_mode, as on every GPU. A test that needs the
 # gloo branch passes CUDA_SEMANTICS_OFF to run_script.
 os.environ.setdefault("LIGHTNING_HPZ_EMULATE_CUDA_SEMANTICS", "1")

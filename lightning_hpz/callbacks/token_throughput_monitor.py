@@ -8,11 +8,10 @@ from typing import Any, Optional
 import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_hpz import collectives
+from lightning_hpz import collectives, lightning_internals
 from lightning_hpz.callbacks.batch_tokens import BatchTokens, _detect_batch_tokens
 from lightning_hpz.callbacks.model_flops import TransformerShape, shape_from_config, training_flops
 from lightning_hpz.callbacks.peak_flops import peak_flops_for
@@ -87,7 +86,7 @@ class TokenThroughputMonitor(Callback):
             self.shape = shape_from_config(config)
         self._module_flops_per_batch = getattr(pl_module, "flops_per_batch", None)  # Lightning's own convention
         if self.peak_flops is None:
-            dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
+            dtype = lightning_internals.plugin_to_compute_dtype(trainer.precision_plugin)
             self.peak_flops = peak_flops_for(trainer.strategy.root_device, dtype)
         self._throughput = Throughput(
             available_flops=self.peak_flops, world_size=trainer.world_size, window_size=self.window_size
@@ -114,9 +113,8 @@ class TokenThroughputMonitor(Callback):
         self._step_tokens = self._step_tokens + counts.real_tokens
         self._step_host_counts[0] += counts.samples
         self._step_host_counts[1] += self._batch_flops(counts)
-        # Lightning internal `fit_loop._should_accumulate()`, the test Lightning's ThroughputMonitor uses: a
-        # micro-batch that ends no optimizer step is only counted.
-        if trainer.fit_loop._should_accumulate():
+        # the test Lightning's ThroughputMonitor uses: a micro-batch that ends no optimizer step is only counted
+        if lightning_internals.should_accumulate(trainer):
             return
         assert self._clock is not None
         self._clock.mark()

@@ -32,13 +32,13 @@ def validate_checkpoint_dir(path: str | Path) -> Path:
 
 def consolidate(checkpoint_dir: str | Path, output_file: str | Path) -> dict[str, Any]:
     """Write ``output_file``: a Lightning checkpoint whose ``state_dict`` holds the full fp32 weights."""
-    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+    from lightning_hpz import lightning_internals
 
     checkpoint_dir = validate_checkpoint_dir(checkpoint_dir)
     _refuse_damaged(checkpoint_dir)
     Path(output_file).parent.mkdir(parents=True, exist_ok=True)
     try:
-        return convert_zero_checkpoint_to_fp32_state_dict(str(checkpoint_dir), str(output_file))
+        return lightning_internals.convert_zero_checkpoint(str(checkpoint_dir), str(output_file))
     except Exception as error:
         # Without a manifest, DeepSpeed's reader fails on a damaged file without naming it ("Invalid argument").
         unreadable = manifest.unreadable_archives(checkpoint_dir)

@@ -12,10 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.strategies.deepspeed import _validate_checkpoint_directory
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_hpz import collectives
+from lightning_hpz import collectives, lightning_internals
 from lightning_hpz.checkpointing import compatibility, load_repair, manifest, universal
 from lightning_hpz.checkpointing.errors import CheckpointIntegrityError, CheckpointMismatchError
 from lightning_hpz.checkpointing.rank_agreement import agreed, problems_found_together
@@ -35,7 +34,7 @@ def prepare_load(
     load_repair.repair_before_load(path)  # a path caught between the two renames of its commit exists again
     # Lightning's own check first: a wrong path gets its guidance (a subfolder or a file inside a checkpoint: "try
     # to load using this parent directory instead"), the same FileNotFoundError as with Lightning's strategy
-    _validate_checkpoint_directory(path)
+    lightning_internals.validate_checkpoint_directory(path)
     recorded = manifest.read_manifest(path)
     if recorded is None:
         rank_zero_warn(NO_MANIFEST_WARNING.format(path=path))

@@ -1,14 +1,14 @@
 """``ckpt_path="hpc"``, ``"last"`` and SLURM's auto-resume, chosen once every rank has started: repair, then the newest.
 
 Lightning resolves these names in ``Trainer.fit`` (and ``validate``/``test``/``predict``) before the strategy sets
-anything up, on each rank by itself (``_CheckpointConnector._parse_ckpt_path``, Lightning internal:
-lightning/pytorch/trainer/connectors/checkpoint_connector.py). Two things cannot be done there. A commit that a crash
+anything up, on each rank by itself (the Trainer's checkpoint connector, a Lightning internal reached through
+:mod:`lightning_hpz.lightning_internals`). Two things cannot be done there. A commit that a crash
 left between its two renames (file systems without an atomic exchange) leaves no ``last.ckpt`` until it is repaired,
 and one process must repair it while the others wait, which needs the process group. And the choice among the run's
 checkpoints (``resume_choice.py``) must be the same on every rank.
 
 So, while an entry point runs, the Trainer's connector is a :class:`ResumeByNameConnector` (the strategy's launcher
-swaps its class in and back out, :func:`connector_installed`). It leaves every other ``ckpt_path`` to Lightning; for
+makes it one and back, :func:`connector_installed`). It leaves every other ``ckpt_path`` to Lightning; for
 these names it returns a :class:`ResumeByName` placeholder, which the strategy resolves as soon as the process group
 exists (:func:`choose`): rank 0 repairs the run's folders, asks Lightning's own resolution, takes the newest committed
 checkpoint, and every rank receives that path. ``resume_start`` then loads it.
@@ -16,21 +16,19 @@ checkpoint, and every rank receives that path. ``resume_start`` then loads it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Optional
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
-
-# Lightning internal: the Trainer's checkpoint connector, whose path parsing this extends
-from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_hpz import lightning_internals
 from lightning_hpz.checkpointing import load_repair, resume_choice
 from lightning_hpz.checkpointing.rank_agreement import on_rank_zero
 
@@ -50,22 +48,22 @@ class ResumeByName:
     __str__ = __repr__
 
 
-class ResumeByNameConnector(_CheckpointConnector):
+class ResumeByNameConnector(lightning_internals.ExtensibleCheckpointConnector):
     """Lightning's connector, with ``"hpc"``, ``"last"`` and SLURM's auto-resume chosen by :func:`choose`."""
 
     by_name: Optional[ResumeByName] = None
 
     @override
-    def _select_ckpt_path(self, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
+    def select_ckpt_path(self, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
         self.by_name = None  # a placeholder belongs to one entry point
-        return super()._select_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
+        return super().select_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
 
     @override
-    def _parse_ckpt_path(self, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
+    def parse_ckpt_path(self, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
         name = self._resume_name(ckpt_path)
         if name is None:
-            return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
-        lightning = functools.partial(super()._parse_ckpt_path, state_fn, name, model_provided, model_connected)
+            return super().parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
+        lightning = functools.partial(super().parse_ckpt_path, state_fn, name, model_provided, model_connected)
         self.by_name = ResumeByName(name, lightning)
         return self.by_name
 
@@ -75,29 +73,19 @@ class ResumeByNameConnector(_CheckpointConnector):
         # Lightning's own trigger of SLURM's auto-resume (an hpc_ckpt_<N> is there), and its ValueError for "hpc"
         # without one, are kept: only which checkpoint is resumed changes
         wants_hpc = ckpt_path == "hpc" or (ckpt_path is None and SLURMEnvironment.detect())
-        return "hpc" if wants_hpc and self._hpc_resume_path is not None else None
+        return "hpc" if wants_hpc and self.hpc_resume_path is not None else None
 
     @override
-    def resume_start(self, checkpoint_path: Any = None, weights_only: Optional[bool] = None) -> None:
+    def resolve_checkpoint_path(self, checkpoint_path: Any) -> Any:
         if isinstance(checkpoint_path, ResumeByName):
             choose(self.trainer)  # done when the process group was set up; here only if a strategy skipped it
-            checkpoint_path = checkpoint_path.path
-        super().resume_start(checkpoint_path, weights_only=weights_only)
+            return checkpoint_path.path
+        return checkpoint_path
 
 
-@contextlib.contextmanager
-def connector_installed(trainer: Any) -> Iterator[None]:
+def connector_installed(trainer: Any) -> AbstractContextManager[None]:
     """Make ``trainer``'s checkpoint connector a :class:`ResumeByNameConnector` while an entry point runs."""
-    connector = trainer._checkpoint_connector
-    if type(connector) is not _CheckpointConnector:  # another subclass (or ours, nested): leave it be
-        yield
-        return
-    connector.__class__ = ResumeByNameConnector  # same object and state: whoever holds it keeps a working one
-    try:
-        yield
-    finally:
-        connector.__class__ = _CheckpointConnector
-        connector.__dict__.pop("by_name", None)
+    return lightning_internals.checkpoint_connector_extended(trainer, ResumeByNameConnector)
 
 
 def chosen_path(ckpt_path: Any) -> Any:
@@ -107,7 +95,7 @@ def chosen_path(ckpt_path: Any) -> Any:
 
 def choose(trainer: Any) -> None:
     """Collective: resolve the entry point's resume by name, if any; every rank gets rank 0's choice."""
-    by_name = getattr(trainer._checkpoint_connector, "by_name", None)
+    by_name = getattr(lightning_internals.checkpoint_connector(trainer), "by_name", None)
     if by_name is None or by_name.chosen:
         return
     failure, errors = f"Cannot choose the checkpoint for ckpt_path={by_name.name!r}", (OSError, ValueError)
@@ -124,9 +112,8 @@ def run_folders(trainer: Any) -> list[Path]:
     places = [trainer.default_root_dir]
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
-            # Lightning internal (callbacks/model_checkpoint.py, ModelCheckpoint.__resolve_ckpt_dir): the folder as
-            # Lightning's own "last" lookup finds it (dirpath, or from the logger or default_root_dir)
-            places.append(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+            # the folder as Lightning's own "last" lookup finds it (dirpath, or from the logger or default_root_dir)
+            places.append(lightning_internals.resolve_ckpt_dir(callback, trainer))
     places += [callback.dirpath for callback in trainer.callbacks if isinstance(callback, OnExceptionCheckpoint)]
     folders: list[Path] = []
     for place in places:

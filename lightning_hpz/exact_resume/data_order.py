@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from lightning_hpz import lightning_internals
 
 
 class DataOrderError(RuntimeError):
@@ -46,7 +47,7 @@ def order_problems(saved: Optional[dict[str, Any]], loader: Any) -> tuple[list[s
         return [], []  # a stream decides its own order; whether it can be positioned is checked by ResumableLoader
     sampler = order_sampler(loader)
     if isinstance(sampler, DistributedSamplerWrapper):
-        sampler = sampler.dataset._sampler  # the user's own sampler, which Lightning shards
+        sampler = lightning_internals.sampler_inside(sampler)  # the user's own sampler, which Lightning shards
     if isinstance(sampler, RandomSampler):
         return [
             "the training DataLoader shuffles with a RandomSampler, which draws a new order from a generator whose "
@@ -79,7 +80,7 @@ def check_resumed_order(saved: Optional[dict[str, Any]], loader: Any, exact: boo
 
 def set_epoch_before_iteration(loader: Any, epoch: int) -> None:
     """Give the loader's samplers the epoch about to be trained, as Lightning does, but before any iterator exists."""
-    _set_sampler_epoch(loader, epoch)  # lightning.fabric.utilities.data: the sampler and the batch sampler's
+    lightning_internals.set_sampler_epoch(loader, epoch)  # the sampler's and the batch sampler's
 
 
 def saved_order(checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -22,8 +22,9 @@ import copy
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
-from lightning.fabric.utilities.types import _Stateful
 from torch.utils.data import IterableDataset
+
+from lightning_hpz.lightning_internals import Stateful
 
 # Positions kept per pass: Lightning prefetches one batch, so the one wanted is at most one behind the newest.
 _KEPT_POSITIONS = 4
@@ -33,9 +34,9 @@ def position_source(loader: Any) -> Optional[Any]:
     """What reports the stream's position: the loader when it is ``Stateful`` (it positions itself), else its
     ``IterableDataset`` when that is ``Stateful`` and iterated in this process (no workers); None when nothing can.
     (A map-style dataset's position is its sampler's, whatever state the dataset keeps.)"""
-    if isinstance(loader, _Stateful):
+    if isinstance(loader, Stateful):
         return loader
-    if reads_a_stream(loader) and isinstance(loader.dataset, _Stateful) and not getattr(loader, "num_workers", 0):
+    if reads_a_stream(loader) and isinstance(loader.dataset, Stateful) and not getattr(loader, "num_workers", 0):
         return loader.dataset
     return None
 
@@ -55,7 +56,7 @@ def unpositioned_reason(loader: Any) -> str:
             "another number of ranks, or before stream positions were saved. Resume from a checkpoint this version "
             "wrote on as many ranks"
         )
-    if isinstance(dataset, _Stateful):
+    if isinstance(dataset, Stateful):
         return (
             f"the training IterableDataset {name} is Stateful, but it is read by {loader.num_workers} worker "
             "processes, whose copies move while this process's copy does not. Read it with torchdata's "

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# Lightning internal: the launcher that re-executes the script once per extra rank (what DDP/DeepSpeed use by default)
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning_hpz.lightning_internals import SubprocessScriptLauncher
 
 
-class OpsBuiltFirstLauncher(_SubprocessScriptLauncher):
+# Lightning's launcher that re-executes the script once per extra rank (what DDP/DeepSpeed use by default)
+class OpsBuiltFirstLauncher(SubprocessScriptLauncher):
     def __init__(self, *args: Any, prepare_ops: Callable[[], None], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.prepare_ops = prepare_ops

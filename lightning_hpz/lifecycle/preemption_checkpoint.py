@@ -14,7 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_hpz import collectives
+from lightning_hpz import collectives, lightning_internals
 from lightning_hpz.lifecycle.run_exit import (
     DEFAULT_SIGNALS,
     PREEMPTED_EXIT_CODE,
@@ -83,13 +83,13 @@ class PreemptionCheckpoint(Callback):
         self.preemption.install()
         self._step_at_train_start = None
         self._window = trainer
-        trainer._signal_connector.register_signal_handlers = _register_nothing  # type: ignore[method-assign]
+        lightning_internals.skip_lightning_signal_handlers(trainer)
 
     def close_window(self) -> None:
         """Restore the handlers that were in place before :meth:`open_window` (strategy teardown)."""
         trainer, self._window = self._window, None
         if trainer is not None:
-            vars(trainer._signal_connector).pop("register_signal_handlers", None)
+            lightning_internals.allow_lightning_signal_handlers(trainer)
         self.preemption.uninstall()
         self._agreement = self._evaluation_agreement = None
 
@@ -233,10 +233,6 @@ class PreemptionCheckpoint(Callback):
         if trainer.is_global_zero:
             _requeue_if_slurm(trainer)
         raise TrainingPreempted(message, trainer, path)
-
-
-def _register_nothing() -> None:
-    """Stands in for Lightning's ``_SignalConnector.register_signal_handlers`` while the package's handler is in."""
 
 
 def next_preemption_checkpoint(root_dir: str | os.PathLike) -> str:

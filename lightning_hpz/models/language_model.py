@@ -14,6 +14,7 @@ import torch
 from torchmetrics.text import Perplexity
 from transformers import PretrainedConfig
 
+from lightning_hpz.lightning_internals import attached_trainer
 from lightning_hpz.models.architectures import build_hf_model, hf_config, is_encoder_decoder
 from lightning_hpz.models.compatibility import check_data_fits_model
 from lightning_hpz.models.initialization_by_name import draw_seed, initialize_by_name, name_seed
@@ -81,7 +82,7 @@ class LanguageModel(L.LightningModule):
 
     # ----------------------------------------------------------------------------------------------- building
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = getattr(self.trainer, "datamodule", None) if attached_trainer(self) is not None else None
         if datamodule is not None:
             vocab = getattr(datamodule, "vocab_size", None)
             check_data_fits_model(self.hf_config, vocab, getattr(datamodule, "sequence_length", None))
@@ -155,7 +156,7 @@ class LanguageModel(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # what `lightning-hpz export` rebuilds the transformers model and its tokenizer from
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = getattr(self.trainer, "datamodule", None) if attached_trainer(self) is not None else None
         checkpoint["huggingface_export"] = {
             "family": self.family,
             "config": self.hf_config.to_dict(),

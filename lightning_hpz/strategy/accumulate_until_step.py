@@ -11,13 +11,12 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
-
 from lightning_hpz import partitioning
+from lightning_hpz.lightning_internals import BackwardSyncControl
 from lightning_hpz.strategy.deferred_engine import DeferredEngine
 
 
-class AccumulateUntilStep(_BackwardSyncControl):
+class AccumulateUntilStep(BackwardSyncControl):
     def no_backward_sync(self, module: Any, enabled: bool) -> AbstractContextManager:
         engine = module.built_engine() if isinstance(module, DeferredEngine) else module
         if enabled and not partitioning.loop_owns_accumulation(engine):

@@ -17,7 +17,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_hpz import collectives, partitioning
 from lightning_hpz.lifecycle import peer_watchdog
-from lightning_hpz.strategy.cuda_semantics import CudaEvaluationContext, cuda_semantics_requested
+from lightning_hpz.strategy.testing import CudaEvaluationContext
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,8 @@ class DeepSpeedEnvironment:
             super().setup_environment()
         self._start_peer_watchdog()
         self._start_autotune()
-        if self.on_cpu and cuda_semantics_requested():
-            self._cuda_evaluation = CudaEvaluationContext()
-            self._cuda_evaluation.install()
+        if self.on_cpu:
+            self._cuda_evaluation = CudaEvaluationContext.install_if_requested()
         # Scoped to this strategy: wrapped from here to teardown (also after an exception), DeepSpeed as shipped after.
         self.copy_ordering = partitioning.install(self.hpz_sync, emulate_async_copy=self.emulate_async_copy)
         if self.hpz_sync == "none" and (self.hpz_partition_size or 1) > 1:
@@ -118,8 +117,8 @@ class DeepSpeedEnvironment:
             watchdog.stop()
             log.debug("slowest heartbeat round trip of this run: %.2f s", watchdog.slowest_round_trip)
 
-    def _init_deepspeed_distributed(self) -> None:
-        super()._init_deepspeed_distributed()
+    def init_deepspeed_distributed(self) -> None:
+        super().init_deepspeed_distributed()
         self._check_secondary_groups_within_nodes()
 
     def _initialize_deepspeed(
@@ -146,7 +145,7 @@ class DeepSpeedEnvironment:
         # DeepSpeed compares the device rank with 0; a CPU device has no index, so the local rank stands in.
         return self.root_device.index if self.root_device.index is not None else self.local_rank
 
-    def _set_deepspeed_activation_checkpointing(self) -> None:
+    def configure_activation_checkpointing(self) -> None:
         # Lightning's version leaves out the layer count and the boundary sync: contiguous checkpointing then fails.
         import deepspeed
 

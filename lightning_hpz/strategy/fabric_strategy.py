@@ -2,27 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
-from lightning.fabric.strategies.deepspeed import _get_deepspeed_engines_from_state
 from lightning.fabric.utilities.seed import reset_seed
 from typing_extensions import override
 
 from lightning_hpz import partitioning
 from lightning_hpz.checkpointing import commit, compatibility, resume, writer_lock
 from lightning_hpz.lifecycle.polled_preemption import PolledPreemption
-from lightning_hpz.strategy import separate_optimizer_setup
+from lightning_hpz.lightning_internals import (
+    FabricDeepSpeedHooks,
+    FabricOptimizer,
+    allow_separate_optimizer_setup,
+    deepspeed_engines_in,
+    weights_only_argument,
+)
 from lightning_hpz.strategy.accumulate_until_step import ACCUMULATE_UNTIL_STEP, AccumulateUntilStep
 from lightning_hpz.strategy.deferred_engine import DeferredEngine
 from lightning_hpz.strategy.hpz_setup import HpzSetup
 
 
-class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
+class HpzFabricStrategy(HpzSetup, FabricDeepSpeedHooks):
     """ZeRO stages 1-3 with stabilized hpZ for Fabric, registered as ``Fabric(strategy="hpz")`` (and ``zero3``, ...).
 
     Takes every argument of :class:`~lightning_hpz.strategy.hpz_setup.HpzSetup` (``stage``, ``hpz_partition_size``,
@@ -48,12 +53,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     accumulation boundary; and ``optimizer.step()`` steps DeepSpeed's engine.
     """
 
-    builds_engine_in_two_steps = True  # read by lightning_hpz.strategy.separate_optimizer_setup
-
-    # Fabric internals relied on (lightning/fabric/strategies/deepspeed.py, connector.py; Lightning 2.6): the connector
-    # calls `_configure_launcher` before launch; `_setup_distributed`, `_init_deepspeed_distributed`,
-    # `_initialize_engine`, `_format_config`/`_config_initialized` and `_deepspeed_engine` are overridden or read;
-    # `_get_deepspeed_engines_from_state` finds the engine a save or load is about, as Lightning's own does.
+    builds_engine_in_two_steps = True  # exempts it from Fabric's refusal of `setup_optimizers` under DeepSpeed
     _lightning_deepspeed_strategy = DeepSpeedStrategy
 
     _deferred: Optional[DeferredEngine] = None  # the latest from setup_module
@@ -62,41 +62,39 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     _pending_clip: Optional[tuple[float, torch.Tensor]] = None  # (max_norm, the norm to fill) at the next step
     _preemption: Optional[PolledPreemption] = None  # the signals recorded from setup_environment to teardown
 
-    # Lightning's __init__ sets None ("DeepSpeed handles gradient accumulation internally"); here the loop owns it.
-    @property
-    def _backward_sync_control(self) -> AccumulateUntilStep:
-        return ACCUMULATE_UNTIL_STEP
-
-    @_backward_sync_control.setter
-    def _backward_sync_control(self, _: Any) -> None:
-        pass
-
-    # Fabric's backward assigns the module it was given (the `_FabricModule`'s inner one) to `_deepspeed_engine`; when
-    # that is a DeferredEngine the strategy keeps the engine inside it.
-    @property
-    def _deepspeed_engine(self) -> Any:
-        return self.__dict__.get("_engine")
-
-    @_deepspeed_engine.setter
-    def _deepspeed_engine(self, engine: Any) -> None:
-        self.__dict__["_engine"] = engine.built_engine() if isinstance(engine, DeferredEngine) else engine
+    @override
+    def configure_launcher(self) -> None:
+        super().configure_launcher()
+        # While Fabric is built with this strategy. Fabric refuses `setup_optimizers` for every DeepSpeed strategy
+        # before asking it, although the strategy builds the engine; for this one its other checks keep their
+        # meaning, in this module's words.
+        allow_separate_optimizer_setup(_check_separate_optimizers)
 
     @override
-    def _setup_distributed(self) -> None:
+    def backward_sync_control(self) -> AccumulateUntilStep:
+        # Lightning's is None ("DeepSpeed handles gradient accumulation internally"); here the loop owns it.
+        return ACCUMULATE_UNTIL_STEP
+
+    @override
+    def engine_to_keep(self, engine: Any) -> Any:
+        # Fabric's backward assigns the module it was given (the `_FabricModule`'s inner one) as the engine; when
+        # that is a DeferredEngine the strategy keeps the engine inside it.
+        return engine.built_engine() if isinstance(engine, DeferredEngine) else engine
+
+    @override
+    def setup_distributed(self) -> None:
         if not self.on_cpu:
-            super()._setup_distributed()
+            super().setup_distributed()
             return
         # Fabric's own (lightning/fabric/strategies/deepspeed.py) first validates device indices, which a CPU device
         # does not have; the rest is the same.
         reset_seed()
-        self._set_world_ranks()
-        self._init_deepspeed_distributed()
-        if not self._config_initialized:
-            self._format_config()
-            self._config_initialized = True
+        self.set_world_ranks()
+        self.init_deepspeed_distributed()
+        self.format_config_once()
 
     @override
-    def _initialize_engine(
+    def initialize_engine(
         self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None
     ) -> tuple[Any, Any, Any]:
         # A scheduler the loop hands to `fabric.setup` stays the loop's to step, as under every Fabric strategy: the
@@ -114,8 +112,8 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         return engine, deepspeed_optimizer, deepspeed_scheduler
 
     @override
-    def _format_config(self) -> None:
-        super()._format_config()
+    def format_config(self) -> None:
+        super().format_config()
         partitioning.request_loop_owned_accumulation(self.config)
 
     @override
@@ -158,15 +156,15 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         return self._deferred
 
     def _build_inference_engine(self, module: torch.nn.Module) -> Any:
-        self._deepspeed_engine, _, _ = self._initialize_engine(module)
-        return self._deepspeed_engine
+        self.deepspeed_engine, _, _ = self.initialize_engine(module)
+        return self.deepspeed_engine
 
     @override
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
         deferred = self._model_of(optimizer)
-        engine, zero_optimizer, _ = self._initialize_engine(deferred.module, optimizer)
-        self._deepspeed_engine = engine
-        self._set_deepspeed_activation_checkpointing()
+        engine, zero_optimizer, _ = self.initialize_engine(deferred.module, optimizer)
+        self.deepspeed_engine = engine
+        self.configure_activation_checkpointing()
         deferred.attach(engine)
         # The loop gets its own optimizer back (DeepSpeed steps it inside the ZeRO optimizer, over the shards): it is
         # a torch Optimizer, so torch's schedulers accept it and `defaults`/`param_groups` read as the loop expects
@@ -185,7 +183,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         return owners[0]  # leaves the waiting ones at the next call: its engine is built now
 
     def _built_deferred_engine(self) -> None:
-        if self._deferred is not None and self._deepspeed_engine is None:
+        if self._deferred is not None and self.deepspeed_engine is None:
             self._deferred.built_engine()
 
     @override
@@ -196,12 +194,12 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     @override
     def _hpz_module(self) -> torch.nn.Module:
         self._built_deferred_engine()
-        if self._deepspeed_engine is None:
+        if self.deepspeed_engine is None:
             raise RuntimeError(
                 "HpzFabricStrategy has no model yet: call `fabric.setup(model, optimizer)` before checking or "
                 "refreshing secondary partitions."
             )
-        return self._deepspeed_engine.module
+        return self.deepspeed_engine.module
 
     @override
     def backward(self, tensor: torch.Tensor, module: Optional[torch.nn.Module], *args: Any, **kwargs: Any) -> None:
@@ -213,10 +211,10 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         clip, self._pending_clip = self._pending_clip, None
-        with partitioning.clipped_step(self._deepspeed_engine, clip[0]) if clip else nullcontext():
+        with partitioning.clipped_step(self.deepspeed_engine, clip[0]) if clip else nullcontext():
             output = super().optimizer_step(self._stepped_through_engine(optimizer, kwargs), **kwargs)
         if clip:
-            partitioning.write_step_norm(self._deepspeed_engine, into=clip[1])
+            partitioning.write_step_norm(self.deepspeed_engine, into=clip[1])
         self._note_optimizer_step()
         self._note_progress()
         return output
@@ -244,7 +242,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         if max_norm <= 0:
             raise ValueError(f"max_norm={max_norm} must be positive.")
         self._built_deferred_engine()
-        partitioning.clipping_optimizer(self._deepspeed_engine)  # refuses clearly now, not at the step
+        partitioning.clipping_optimizer(self.deepspeed_engine)  # refuses clearly now, not at the step
         norm = torch.full((), float("nan"), device=self.root_device)
         self._pending_clip = (float(max_norm), norm)
         return norm
@@ -264,7 +262,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         the DeepSpeed config, the global step and sample counters (checkpoints record them), the accumulation
         boundary and what happens there, the monitor.
         """
-        engine = self._deepspeed_engine
+        engine = self.deepspeed_engine
         if engine is None or not self._is_engine_optimizer(optimizer):
             return optimizer
         if "closure" in kwargs:
@@ -278,7 +276,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 
     def _is_engine_optimizer(self, optimizer: Any) -> bool:
         """``optimizer`` is the engine's ZeRO optimizer or the loop's optimizer inside it (see ``setup_optimizer``)."""
-        zero_optimizer = getattr(self._deepspeed_engine, "optimizer", None)
+        zero_optimizer = getattr(self.deepspeed_engine, "optimizer", None)
         if zero_optimizer is None:
             return False
         return optimizer is zero_optimizer or optimizer is getattr(zero_optimizer, "optimizer", None)
@@ -292,7 +290,7 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
         self._built_deferred_engine()
         # the loop's optimizer stands for the ZeRO optimizer, whose state the engine saves itself (sharded); Lightning
         # leaves only the ZeRO optimizer out of the client state
-        engine_optimizer = getattr(self._deepspeed_engine, "optimizer", None)
+        engine_optimizer = getattr(self.deepspeed_engine, "optimizer", None)
         state = {key: engine_optimizer if self._is_engine_optimizer(value) else value for key, value in state.items()}
         engine = _engine_in(state)
         if engine is None or storage_options is not None or filter is not None:
@@ -354,8 +352,8 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
             # A Fabric loop owns its data order (no `exact_resume`): another number of ranks is converted, warned about.
             path, loading = resume.prepare_load(self, path, engine.module, engine, keep_data_order=False)
         with loading:
-            remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
-        if self._deepspeed_engine is not None:
+            remainder = super().load_checkpoint(path, state=state, strict=strict, **weights_only_argument(weights_only))
+        if self.deepspeed_engine is not None:
             self._after_weights_changed()
         return remainder
 
@@ -363,8 +361,20 @@ class HpzFabricStrategy(HpzSetup, DeepSpeedStrategy):
 def _engine_in(state: Any) -> Optional[Any]:
     """The DeepSpeed engine a ``fabric.save``/``fabric.load`` state holds, found as Lightning finds it; None where
     Lightning refuses the state (no engine, several) or does not load into an engine (a module or optimizer alone)."""
-    engines = _get_deepspeed_engines_from_state(state) if isinstance(state, dict) else []
+    engines = deepspeed_engines_in(state) if isinstance(state, dict) else []
     return engines[0] if len(engines) == 1 else None
+
+
+def _check_separate_optimizers(fabric: Any, optimizers: Sequence[Any]) -> None:
+    if not optimizers:
+        raise ValueError("`fabric.setup_optimizers` needs the optimizer to set up: `fabric.setup_optimizers(opt)`.")
+    if any(isinstance(optimizer, FabricOptimizer) for optimizer in optimizers):
+        raise ValueError("This optimizer was set up already; pass the bare optimizer once.")
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"DeepSpeed trains one optimizer per engine, got {len(optimizers)}: combine their parameter groups into "
+            "one optimizer."
+        )
 
 
 def _no_model_waits_for_an_optimizer(deferred: Optional[DeferredEngine], owners: int) -> str:
@@ -382,7 +392,6 @@ def _no_model_waits_for_an_optimizer(deferred: Optional[DeferredEngine], owners:
 
 def register() -> None:
     HpzFabricStrategy.register_strategies(STRATEGY_REGISTRY)
-    separate_optimizer_setup.install()
 
 
 # Importing the strategy registers its names with Fabric; lightning_hpz.strategy.registration imports it with Lightning.

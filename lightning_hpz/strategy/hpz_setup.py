@@ -1,7 +1,8 @@
 """``HpzSetup``: what stabilized hpZ adds to a Lightning DeepSpeed strategy, for the Trainer and for Fabric alike.
 
-Lightning ships two ``DeepSpeedStrategy`` classes with the same hooks (``_configure_launcher``, ``setup_environment``,
-``_init_deepspeed_distributed``, ``teardown``, ``register_strategies``): ``lightning.pytorch.strategies`` for the
+Lightning ships two ``DeepSpeedStrategy`` classes with the same hooks (``configure_launcher``, ``setup_environment``,
+``init_deepspeed_distributed``, ``teardown``, ``register_strategies``; the private ones under the names
+:mod:`lightning_hpz.lightning_internals` gives them): ``lightning.pytorch.strategies`` for the
 Trainer and ``lightning.fabric.strategies`` for Fabric. :class:`HpzSetup` is mixed in front of either one and holds
 everything that is not specific to the Trainer or to Fabric, one concern per mixin, each readable alone:
 
@@ -140,7 +141,7 @@ class HpzSetup(LayoutChecks, DeepSpeedEnvironment, SecondaryVerification, Autotu
         self._optimizer_stepped = False  # since that engine was built
         self._load_hook_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
-    def _load_config(self, config: Any) -> None:
+    def lightning_config(self, config: Any) -> None:
         # Lightning's DeepSpeedStrategy.__init__ replaces its defaults by what this returns (config= or the
         # PL_DEEPSPEED_CONFIG_PATH file); this strategy merges that config over the defaults itself, in __init__.
         return None

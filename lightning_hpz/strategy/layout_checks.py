@@ -1,9 +1,9 @@
 """The cluster layout a strategy trains on, and every check of it that can run before a process is launched.
 
-Lightning's connectors call ``_configure_launcher`` while the Trainer or Fabric is built: here the hpZ size is
-resolved against the devices per node, and settings that cannot work on this layout (a size that does not divide a
-node, quantized communication without CUDA) are refused with the fix. The one check that needs the process group
-(that each secondary group stays inside a node) runs once DeepSpeed's groups exist.
+Lightning's connectors configure the launcher (``configure_launcher``) while the Trainer or Fabric is built: here the
+hpZ size is resolved against the devices per node, and settings that cannot work on this layout (a size that does
+not divide a node, quantized communication without CUDA) are refused with the fix. The one check that needs the
+process group (that each secondary group stays inside a node) runs once DeepSpeed's groups exist.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ class LayoutChecks:
         devices = self.parallel_devices
         return devices[0].type if devices else None
 
-    def _configure_launcher(self) -> None:
+    def configure_launcher(self) -> None:
         # Called while the Trainer or Fabric is built, before any process is launched: the place for every layout check.
         self._resolve_layout()
-        super()._configure_launcher()
+        super().configure_launcher()
 
     def _resolve_layout(self) -> None:
         settings = self.zero_settings

@@ -9,21 +9,11 @@ package's names is close. Every other error, and every valid name, passes throug
 from __future__ import annotations
 
 import difflib
-import functools
-import importlib
-from collections.abc import Callable
 from typing import Any, Optional
 
 from lightning_hpz.strategy.presets import STRATEGY_PRESETS
 
-# Lightning internals: the connectors that validate `strategy=` (Trainer, Fabric) and the method that does it.
-CONNECTORS = (
-    ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector"),
-    ("lightning.fabric.connector", "_Connector"),
-)
-CHECK_METHOD = "_check_config_and_set_final_flags"
 UNKNOWN_NAME_ERROR = "You selected an invalid strategy name"
-_WRAPPED_MARK = "_lightning_hpz_name_hint"
 
 
 def closest_package_name(name: str) -> Optional[str]:
@@ -33,28 +23,10 @@ def closest_package_name(name: str) -> Optional[str]:
 
 
 def add_name_hints() -> None:
-    """Wrap each connector's check once; a Lightning without that method (renamed) is left as it is."""
-    for module_name, class_name in CONNECTORS:
-        try:
-            connector = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError):
-            continue
-        check = getattr(connector, CHECK_METHOD, None)
-        if check is not None and not getattr(check, _WRAPPED_MARK, False):
-            setattr(connector, CHECK_METHOD, _hinting(check))
+    """Wrap the Trainer's and Fabric's check of ``strategy=`` once (the check is Lightning-internal)."""
+    from lightning_hpz import lightning_internals
 
-
-def _hinting(check: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(check)
-    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            check(self, *args, **kwargs)
-        except ValueError as error:
-            _add_hint(error, kwargs.get("strategy", args[0] if args else None))
-            raise
-
-    setattr(checked, _WRAPPED_MARK, True)
-    return checked
+    lightning_internals.add_strategy_name_hints(_add_hint)
 
 
 def _add_hint(error: ValueError, strategy: Any) -> None:

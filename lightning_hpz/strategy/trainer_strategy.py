@@ -13,12 +13,10 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_hpz import collectives, partitioning
-from lightning_hpz.autotune import resume_path
+from lightning_hpz import collectives, lightning_internals, partitioning
 from lightning_hpz.checkpointing import commit, compatibility, resume, resume_by_name, writer_lock
 from lightning_hpz.checkpointing.errors import CheckpointRefusedError, CheckpointStorageError
 from lightning_hpz.checkpointing.preemption_retention import (
@@ -34,6 +32,13 @@ from lightning_hpz.lifecycle import rank_failure
 from lightning_hpz.lifecycle.preemption_checkpoint import PreemptionCheckpoint
 from lightning_hpz.lifecycle.run_exit import CoordinatedExit
 from lightning_hpz.lifecycle.save_deadline import SaveDeadline
+from lightning_hpz.lightning_internals import (
+    SubprocessScriptLauncher,
+    TrainerDeepSpeedHooks,
+    attached_trainer,
+    script_launcher_procs,
+    weights_only_argument,
+)
 from lightning_hpz.models.computed_buffers import recompute_buffers_in_float32
 from lightning_hpz.strategy.hpz_setup import HpzSetup
 from lightning_hpz.strategy.inference_config import inference_config
@@ -43,7 +48,7 @@ log = logging.getLogger(__name__)
 _RESUMABLE = (ResumableBatches, ResumableLoader)
 
 
-class HpzStrategy(HpzSetup, DeepSpeedStrategy):
+class HpzStrategy(HpzSetup, TrainerDeepSpeedHooks):
     """ZeRO stages 1-3 with stabilized hierarchical partitioning (hpZ), registered as ``strategy="hpz"``.
 
     Takes every argument of :class:`~lightning_hpz.strategy.hpz_setup.HpzSetup` (``stage``, ``hpz_partition_size``,
@@ -90,14 +95,16 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
         self._preemption: Optional[PreemptionCheckpoint] = None  # holds the signal handlers from set-up to teardown
 
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
+    def configure_launcher(self) -> None:
+        super().configure_launcher()
         # Build the ops DeepSpeed JIT-compiles once, visibly, before the other ranks start (op_build_launcher); choose
         # a checkpoint resumed by name once every rank has started (resume_by_name). Lightning's launcher runs every
         # entry point, also in processes started externally (torchrun, srun), where it starts no other rank.
-        if type(self._launcher) is _SubprocessScriptLauncher:
-            self._launcher = TrainerLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes, prepare_ops=self.prepare_deepspeed_ops
+        if type(self.launcher) is SubprocessScriptLauncher:
+            self.replace_launcher(
+                TrainerLauncher(
+                    self.cluster_environment, self.num_processes, self.num_nodes, prepare_ops=self.prepare_deepspeed_ops
+                )
             )
 
     # ----------------------------------------------------------------------------------------------- environment
@@ -126,25 +133,26 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
 
             reset_seed()  # Lightning's own also validates device indices, which a CPU device does not have
             self.set_world_ranks()
-            self._init_deepspeed_distributed()
+            self.init_deepspeed_distributed()
         else:
             super().setup_distributed()
         # The first moment the ranks can agree on a checkpoint resumed by name: before the autotuner reads it and
         # before it is loaded (checkpointing/resume_by_name.py).
-        if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            resume_by_name.choose(self.lightning_module.trainer)
+        trainer = attached_trainer(self.lightning_module)
+        if trainer is not None:
+            resume_by_name.choose(trainer)
 
     @override
-    def _setup_model_and_optimizer(
+    def setup_model_and_optimizer(
         self, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None
     ) -> tuple[Any, Any]:
         engine, deepspeed_optimizer, _, _ = self._initialize_deepspeed(model, optimizer, lr_scheduler)
         return engine, deepspeed_optimizer
 
     @override
-    def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
-        # Replaces Lightning's DeepSpeedStrategy._initialize_deepspeed_inference, which passes the device index (None
-        # on CPU), and its engine cannot be built for hpZ by DeepSpeed 0.19.8 (see partitioning/inference_engine.py).
+    def initialize_inference_engine(self, model: torch.nn.Module) -> None:
+        # Replaces Lightning's inference engine build, which passes the device index (None on CPU), and its engine
+        # cannot be built for hpZ by DeepSpeed 0.19.8 (see partitioning/inference_engine.py).
         import deepspeed
         from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 
@@ -200,7 +208,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
             self.peer_watchdog.confirm_peers_alive()
         # Peers would wait for this rank in their next collective until the timeout: release them (rank_failure.py).
         # The children of Lightning's subprocess launcher (its `procs`) still stuck after the grace period are killed.
-        children = self.launcher.procs if isinstance(self.launcher, _SubprocessScriptLauncher) else None
+        children = script_launcher_procs(self.launcher)
         self._peer_watch = rank_failure.release_peers(children, self.failure_grace_period)
 
     @override
@@ -228,7 +236,8 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
     def _autotune_resume_path(self) -> Optional[Any]:
         if self.autotune_checkpoint is not None or self.lightning_module is None:
             return self.autotune_checkpoint
-        return resume_by_name.chosen_path(resume_path.fit_resume_path(self.lightning_module.trainer))
+        # the path `fit` resolved, before the Trainer stores it: the autotuner re-uses the choice recorded there
+        return resume_by_name.chosen_path(lightning_internals.resolved_ckpt_path(self.lightning_module.trainer))
 
     # ----------------------------------------------------------------------------------------------- secondaries
     @override
@@ -306,7 +315,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
                 self, checkpoint_path, self.lightning_module, self.model, keep_data_order=self._fits_exactly()
             )
         with loading, partitioning.optimizer_less_checkpoint_load(self.model):
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+            checkpoint = super().load_checkpoint(checkpoint_path, **weights_only_argument(weights_only))
         # Lightning's loops would replay an epoch-end checkpoint as a finished epoch plus one batch (see the module).
         epoch_end_checkpoint.complete_epoch_saved_at_epoch_end(checkpoint)
         self._resumed_data_order = data_order.saved_order(checkpoint)
@@ -317,7 +326,7 @@ class HpzStrategy(HpzSetup, DeepSpeedStrategy):
 
     def _fits_exactly(self) -> bool:
         """Whether the resume must repeat the data order: ``fit`` under ``exact_resume`` (evaluation has none)."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = attached_trainer(self.lightning_module)
         return self.exact_resume and trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
     @override
