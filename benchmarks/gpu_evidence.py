@@ -228,8 +228,10 @@ def deepspeed_config(micro_batch: int) -> dict:
     import lightning_hpz
 
     config = copy.deepcopy(lightning_hpz.HpzStrategy(stage=3).config)
-    config["zero_optimization"]["zero_hpz_partition_size"] = 1
-    config.update(bf16={"enabled": True}, train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1)
+    zero = dict(zero_hpz_partition_size=1, zero_quantized_weights=False, zero_quantized_gradients=False)
+    config["zero_optimization"].update(zero)
+    config.update(bf16={"enabled": True}, gradient_clipping=0.0, train_micro_batch_size_per_gpu=micro_batch,
+                  gradient_accumulation_steps=1)  # fmt: skip
     return config
 
 
@@ -785,8 +787,9 @@ def run_part(name: str, scale: Scale, work: Path, deadline: float) -> dict:
     try:
         if name == "throughput":
             record = measure_throughput(scale, work, deadline)
-        elif name == "sync_cost":
-            record = run_worker({"part": "sync_cost", "tokens": 64 if scale.tiny else 4 * scale.seq}, scale, work)
+        elif name == "sync_cost":  # on a GPU in a process of its own (clean CUDA state); emulated copies in this one
+            options = {"part": "sync_cost", "tokens": 64 if scale.tiny else 4 * scale.seq}
+            record = sync_cost_worker(options, scale) if scale.tiny else run_worker(options, scale, work)
             if "modes" in record:
                 record["table"] = sync_cost_table(record)
         elif name == "sync_phases":
