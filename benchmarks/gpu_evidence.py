@@ -463,7 +463,8 @@ class CopyThenGather:
             self.accelerator = EmulatedAsyncDevice()  # copies land only when ordered: the plumbing of each mode
         self.ordering = CopyOrdering(mode, self.accelerator)
         dtype = torch.bfloat16
-        self.layers = [[torch.randn(s, device=self.device, dtype=dtype) for s in layer]
+        # scaled by fan-in, so that activations stay finite through the layers' matmuls
+        self.layers = [[torch.randn(s, device=self.device, dtype=dtype) * s[-1] ** -0.5 for s in layer]
                        for layer in parameter_shapes(scale.model)]  # fmt: skip
         widest = max(max(p.shape) for layer in self.layers for p in layer)
         self.activations = torch.randn(tokens, widest, device=self.device, dtype=dtype)
@@ -753,10 +754,12 @@ def run_worker(options: dict, scale: Scale, work: Path) -> dict:
                               env=worker_environment(), cwd=work, start_new_session=True)  # fmt: skip
     except subprocess.TimeoutExpired as err:
         return {"error": f"timed out after {scale.worker_timeout} s", "output": str(err.output or "")[-2000:]}
-    if done.returncode == OOM_EXIT:
+    output = done.stdout + done.stderr
+    # a strategy may end the process its own way on an error: the allocator's message then says what it was
+    if done.returncode == OOM_EXIT or (done.returncode != 0 and "CUDA out of memory" in output):
         return {"oom": True}
     if done.returncode != 0 or not record_path.is_file():
-        return {"error": f"exit code {done.returncode}", "output": (done.stdout + done.stderr)[-3000:]}
+        return {"error": f"exit code {done.returncode}", "output": output[-3000:]}
     return json.loads(record_path.read_text())
 
 

@@ -27,6 +27,7 @@ and match ZeRO-3 bit for bit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -170,7 +171,8 @@ class PhaseTimes:
             handle = self._timed("gather_issue", gather, params, *args, **kwargs)
             wait = getattr(handle, "wait", None)
             if wait is not None:
-                handle.wait = lambda *a, **k: self._timed("gather_wait", wait, *a, **k)
+                with contextlib.suppress(AttributeError):  # a handle class with __slots__ is left untimed
+                    handle.wait = lambda *a, **k: self._timed("gather_wait", wait, *a, **k)
             return handle
 
         for mark, value in vars(gather).items():  # the package's marks (an ordered gather) stay visible
