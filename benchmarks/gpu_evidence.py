@@ -55,6 +55,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = Path(__file__).resolve().parent
 PARTS = ("throughput", "sync_cost", "sync_phases", "trainer_stages", "nccl_sync_modes")
@@ -109,14 +111,7 @@ TINY = Scale(model=LLAMA2_TINY, seq=64, micro_batches=(4, 2), warmup=1, steps=2,
 
 
 # ----------------------------------------------------------------------------------------------- shared pieces
-def _torch() -> Any:
-    import torch
-
-    return torch
-
-
 def compute_device(scale: Scale) -> Any:
-    torch = _torch()
     return torch.device("cpu") if scale.tiny else torch.device("cuda", 0)
 
 
@@ -145,7 +140,6 @@ def micro_batch_guess(scale: Scale, memory_bytes: float) -> int:
 
 def token_batches(settings: dict, seq: int, micro_batch: int, count: int, seed: int = 0) -> Any:
     """``count`` micro-batches of random token ids (the same for every configuration)."""
-    torch = _torch()
     from torch.utils.data import DataLoader
 
     generator = torch.Generator().manual_seed(seed)
@@ -180,7 +174,7 @@ class Measurement:
         self.losses: list[Any] = []
         self.steps_done = 0
         if device.type == "cuda":
-            _torch().cuda.reset_peak_memory_stats(device)
+            torch.cuda.reset_peak_memory_stats(device)
 
     def after_step(self, loss: Any) -> None:
         self.losses.append(loss.detach().float())
@@ -191,7 +185,6 @@ class Measurement:
             self.clock.mark()
 
     def record(self) -> dict:
-        torch = _torch()
         from lightning_hpz.callbacks.model_flops import training_flops_per_token
         from lightning_hpz.callbacks.peak_flops import peak_flops_for
         from lightning_hpz.process_memory import max_rss_bytes
@@ -237,7 +230,6 @@ def deepspeed_config(micro_batch: int) -> dict:
 
 def deepspeed_loop(scale: Scale, micro_batch: int) -> dict:
     """DeepSpeed's own engine in a hand-written loop: the reference."""
-    torch = _torch()
     import deepspeed
 
     device = compute_device(scale)
@@ -267,7 +259,6 @@ def _compared_config(config: dict) -> dict:
 
 def causal_lm_module(settings: dict, shard_with_fsdp2: bool = False) -> Any:
     import lightning as L
-    import torch
 
     class CausalLM(L.LightningModule):
         def __init__(self) -> None:
@@ -328,7 +319,6 @@ def quiet_trainer(scale: Scale, strategy: Any, precision: str, max_steps: int, c
 
 def trainer_throughput(name: str, scale: Scale, micro_batch: int) -> dict:
     """HpzStrategy ZeRO-3, Lightning's FSDP2 or DDP in a Trainer, measured like the reference loop."""
-    torch = _torch()
     import lightning_hpz
 
     if name == "hpz":
@@ -363,8 +353,7 @@ def throughput_worker(options: dict, scale: Scale) -> dict:
 
 def measure_throughput(scale: Scale, work: Path, deadline: float) -> dict:
     """Each configuration in its own process, from the largest micro-batch that may fit down to one that does."""
-    torch = _torch()
-    memory = torch.cuda.get_device_properties(0).total_memory if not scale.tiny else math.inf
+    memory = math.inf if scale.tiny else gpu_facts()["memory_bytes"]
     start = micro_batch_guess(scale, memory)
     candidates = [b for b in scale.micro_batches if b <= start]
     results: dict[str, dict] = {}
@@ -448,7 +437,6 @@ class CopyThenGather:
     stream waiting for that gather before the layer's two backward matmuls."""
 
     def __init__(self, scale: Scale, mode: str, tokens: int) -> None:
-        torch = _torch()
         from lightning_hpz.partitioning import CopyOrdering
 
         self.device = compute_device(scale)
@@ -478,7 +466,6 @@ class CopyThenGather:
                     self.activations[:, : weight.shape[0]].copy_(self.activations[:, : weight.shape[1]] @ weight.t())
 
     def _release(self, layer: list[Any]) -> list[Any]:
-        torch = _torch()
         secondaries = []
         for weight in layer:
             shard = weight.view(-1)[: weight.numel() // HPZ]
@@ -492,7 +479,6 @@ class CopyThenGather:
 
     def _gather(self, secondaries: list[Any]) -> Any:
         """On the side stream: the ordering's wait, then every secondary read into a full-size buffer."""
-        torch = _torch()
         with torch.cuda.stream(self.side) if self.on_cuda else nullcontext():
             self.phases.timed("wait", self.ordering.before_secondary_gather, secondaries)
             start = time.perf_counter()
@@ -516,14 +502,13 @@ class CopyThenGather:
         for index in reversed(range(len(self.layers))):
             ahead = self._gather(secondaries[index - 1]) if index else None
             if gathered is not None:
-                _torch().cuda.current_stream().wait_event(gathered)
+                torch.cuda.current_stream().wait_event(gathered)
             if index:
                 self._compute(self.layers[index], passes=2)
             gathered = ahead
 
 
 def time_sync_mode(scale: Scale, mode: str, tokens: int) -> dict:
-    torch = _torch()
     pattern = CopyThenGather(scale, mode, tokens)
     wall, per_step_phases = [], []
     for step in range(scale.warmup + scale.sync_steps):
@@ -550,7 +535,6 @@ def time_sync_mode(scale: Scale, mode: str, tokens: int) -> dict:
 
 
 def sync_cost_worker(options: dict, scale: Scale) -> dict:
-    torch = _torch()
     tokens = options["tokens"]
     modes = {mode: time_sync_mode(scale, mode, tokens) for mode in MODES}
     none, event, stream = (modes[m]["median_step_s"] for m in MODES)
@@ -617,7 +601,6 @@ def phase_table(configurations: dict[str, dict]) -> str:
 
 
 def nccl_sync_modes(scale: Scale, work: Path) -> dict:
-    torch = _torch()
     ranks = 1 if scale.tiny else (4 if torch.cuda.device_count() >= 4 else 1)
     configurations = "zero3-stock,hpz1-event" + (",hpz2-event,hpz2-stream" if ranks >= 4 else "")
     arguments = ["--ranks", str(ranks), "--steps", str(scale.nccl_steps), "--width", str(scale.ranks_width),
@@ -636,7 +619,6 @@ def nccl_sync_modes(scale: Scale, work: Path) -> dict:
 # ----------------------------------------------------------------------------------------------- trainer stages
 def package_frame(stack: list[Any]) -> tuple[str, str]:
     """Who asked for a sync: the innermost frame outside torch and this script, as (owner, 'file:line')."""
-    import torch
 
     torch_dir, here = str(Path(torch.__file__).parent), str(Path(__file__).resolve())
     owners = (("lightning_hpz", "lightning_hpz"), ("deepspeed", "deepspeed"), ("lightning", "lightning"),
@@ -654,7 +636,6 @@ def sync_audit_callback(log_every: int) -> Any:
     import traceback as tb
 
     import lightning as L
-    import torch
 
     class SyncAudit(L.Callback):
         def __init__(self) -> None:
@@ -688,7 +669,6 @@ def sync_audit_callback(log_every: int) -> Any:
 
 def trainer_stages_worker(options: dict, scale: Scale) -> dict:
     """fit with the four callbacks (the non-logging steps audited), then validate and test on the same module."""
-    torch = _torch()
     import lightning_hpz
     from lightning_hpz.callbacks import LossStabilityMonitor, SecondaryPartitionCheck, TokenThroughputMonitor
 
@@ -764,7 +744,6 @@ def run_worker(options: dict, scale: Scale, work: Path) -> dict:
 
 
 def worker_main(options: dict) -> int:
-    torch = _torch()
     scale = TINY if options["tiny"] else GPU
     if not scale.tiny:
         torch.cuda.set_device(0)
@@ -781,7 +760,6 @@ def worker_main(options: dict) -> int:
 
 # ----------------------------------------------------------------------------------------------- driver
 def run_part(name: str, scale: Scale, work: Path, deadline: float) -> dict:
-    torch = _torch()
     start = time.monotonic()
     if not scale.tiny and not torch.cuda.is_available():
         return {"skipped": "no CUDA device (use --tiny on a CPU)"}
@@ -878,8 +856,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 1 if any("error" in r for r in results.values()) else 0
 
 
+def gpu_facts() -> dict:
+    """GPU 0's name and memory, asked in a short process: here it would create a CUDA context, whose memory the
+    measured processes would then lack."""
+    ask = "import json, torch; p = torch.cuda.get_device_properties(0); print(json.dumps([p.name, p.total_memory]))"
+    name, memory = json.loads(subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True,
+                                             check=True).stdout)  # fmt: skip
+    return {"name": name, "memory_bytes": memory}
+
+
 def versions() -> dict:
-    torch = _torch()
     from importlib.metadata import PackageNotFoundError, version
 
     found = {}
@@ -888,7 +874,7 @@ def versions() -> dict:
             found[name] = version(name)
         except PackageNotFoundError:
             found[name] = None
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    device = gpu_facts()["name"] if torch.cuda.is_available() else "cpu"
     return {"versions": found, "device": device, "gpus": torch.cuda.device_count()}
 
 
