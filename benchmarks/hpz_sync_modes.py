@@ -18,6 +18,10 @@ Where the ranks run:
   gloo's exact error for each (``benchmarks/shared_gpu.py``);
 * ``--device cpu``: CPU processes over gloo (copies are synchronous there: a plumbing check, no timing meaning).
 
+Fewer than four ranks run only the hpZ-1 configurations (``--ranks 1``: DeepSpeed alone against ``hpz1-event`` on a
+world of one, under NCCL on a GPU). Every configuration with the package's ordering records, per step, where the
+time went (copy, wait, gather; :class:`PhaseTimes`).
+
 On a GPU every hpZ rank counts its stale reads (``benchmarks/stale_read_probe.py``): all-gathers that started before
 the secondary copy they read had landed. The ``-late`` configurations start each secondary copy late on the compute
 stream, as on a busy GPU: without ordering (``none``) gathers then read stale shards; ``event`` must still read none
