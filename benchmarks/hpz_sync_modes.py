@@ -18,6 +18,10 @@ Where the ranks run:
   gloo's exact error for each (``benchmarks/shared_gpu.py``);
 * ``--device cpu``: CPU processes over gloo (copies are synchronous there: a plumbing check, no timing meaning).
 
+Fewer than four ranks run only the hpZ-1 configurations (``--ranks 1``: DeepSpeed alone against ``hpz1-event`` on a
+world of one, under NCCL on a GPU). Every configuration with the package's ordering records, per step, where the
+time went (copy, wait, gather; :class:`PhaseTimes`).
+
 On a GPU every hpZ rank counts its stale reads (``benchmarks/stale_read_probe.py``): all-gathers that started before
 the secondary copy they read had landed. The ``-late`` configurations start each secondary copy late on the compute
 stream, as on a busy GPU: without ordering (``none``) gathers then read stale shards; ``event`` must still read none
@@ -27,6 +31,7 @@ and match ZeRO-3 bit for bit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -94,8 +99,9 @@ def worker(args: argparse.Namespace) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     gloo_refused = _prepare_shared_gpu(device) if shared_gpu else {}
     probe = _stale_read_probe(ordering, device, configuration) if on_gpu else None
+    phases = None if ordering is None else PhaseTimes(ordering, on_gpu)
     engine = _engine(args, configuration)
-    record = _train(args, engine, device, rank)
+    record = _train(args, engine, device, rank, phases)
     record.update(
         backend=torch.distributed.get_backend(),
         shared_gpu=shared_gpu,
@@ -115,6 +121,76 @@ def _prepare_shared_gpu(device: object) -> dict[str, str]:
     refused = probe_gloo_cuda(device)
     relay_through_host(list(refused))  # before the engine is built; DeepSpeed's saved references are repointed too
     return refused
+
+
+class PhaseTimes:
+    """Where each step's time goes, per hpZ phase: host seconds in the secondary copies (``copy``; of that, the
+    ordering's own part, ``copy_sync``: the host stall of ``stream``), in the ordering before each gather of secondaries
+    (``wait``; on a GPU also ``wait_device``: how long the gathering stream stalled there), in issuing those gathers
+    (``gather_issue``) and in waiting for their results (``gather_wait``). Read once per step, after its synchronize."""
+
+    PHASES = ("copy", "copy_sync", "wait", "wait_device", "gather_issue", "gather_wait")
+
+    def __init__(self, ordering: object, on_gpu: bool) -> None:
+        from deepspeed.runtime.zero.partition_parameters import Init
+
+        from lightning_hpz.partitioning import deepspeed_patch
+
+        self.on_gpu = on_gpu
+        self.seconds: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
+        self.stalls: list[tuple[object, object]] = []
+        self.steps: list[dict[str, float]] = []
+        copy = Init._partition_param_sec
+        Init._partition_param_sec = lambda *a, **k: self._timed("copy", copy, *a, **k)
+        after_copy, before_gather = ordering.after_secondary_copy, ordering.before_secondary_gather
+        ordering.after_secondary_copy = lambda *a: self._timed("copy_sync", after_copy, *a)
+        ordering.before_secondary_gather = lambda secondaries: self._wait(before_gather, list(secondaries))
+        ordered_gather = deepspeed_patch.ordered_gather
+        deepspeed_patch.ordered_gather = lambda gather: self._timed_gather(ordered_gather(gather))
+
+    def _timed(self, phase: str, call: object, *args: object, **kwargs: object) -> object:
+        start = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+    def _wait(self, before_gather: object, secondaries: list) -> None:
+        import torch
+
+        if not self.on_gpu or not secondaries:
+            return self._timed("wait", before_gather, secondaries)
+        reached, passed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reached.record()  # on the gathering stream, as the ordering's waits
+        self._timed("wait", before_gather, secondaries)
+        passed.record()
+        self.stalls.append((reached, passed))
+        return None
+
+    def _timed_gather(self, gather: object) -> object:
+        def timed_gather(params: object, *args: object, **kwargs: object) -> object:
+            params = list(params)
+            if not any(getattr(p, "ds_secondary_tensor", None) is not None for p in params):
+                return gather(params, *args, **kwargs)
+            handle = self._timed("gather_issue", gather, params, *args, **kwargs)
+            wait = getattr(handle, "wait", None)
+            if wait is not None:
+                with contextlib.suppress(AttributeError):  # a handle class with __slots__ is left untimed
+                    handle.wait = lambda *a, **k: self._timed("gather_wait", wait, *a, **k)
+            return handle
+
+        for mark, value in vars(gather).items():  # the package's marks (an ordered gather) stay visible
+            setattr(timed_gather, mark, value)
+        return timed_gather
+
+    def start_step(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.stalls = []
+
+    def end_step(self, step_seconds: float) -> None:
+        """After the step's synchronize: every event pair has completed."""
+        self.seconds["wait_device"] = sum(a.elapsed_time(b) for a, b in self.stalls) / 1000.0
+        self.steps.append({"step": step_seconds, **self.seconds})
 
 
 def _stale_read_probe(ordering: object, device: object, configuration: Configuration) -> object:
@@ -151,7 +227,7 @@ def _engine(args: argparse.Namespace, configuration: Configuration) -> object:
     return engine
 
 
-def _train(args: argparse.Namespace, engine: object, device: object, rank: int) -> dict:
+def _train(args: argparse.Namespace, engine: object, device: object, rank: int, phases: object = None) -> dict:
     import torch
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -160,6 +236,8 @@ def _train(args: argparse.Namespace, engine: object, device: object, rank: int) 
     losses, val_losses, times = [], [], []
     for step in range(args.steps):
         x = torch.randn(args.batch, args.width, generator=generator).to(device, dtype)
+        if phases is not None:
+            phases.start_step()
         start = time.perf_counter()
         loss = (engine(x) - x[:, :1]).pow(2).mean()
         engine.backward(loss)
@@ -167,11 +245,13 @@ def _train(args: argparse.Namespace, engine: object, device: object, rank: int) 
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        if phases is not None:
+            phases.end_step(times[-1])
         losses.append(loss.float().item())
         if args.validate_every and (step + 1) % args.validate_every == 0:
             with torch.inference_mode():  # Lightning's evaluation context on CUDA
                 val_losses.append((engine(held_out) - held_out[:, :1]).pow(2).mean().float().item())
-    return {"losses": losses, "val_losses": val_losses, "times": times}
+    return {"losses": losses, "val_losses": val_losses, "times": times, **({"phases": phases.steps} if phases else {})}
 
 
 def run_configuration(args: argparse.Namespace, name: str) -> dict:
@@ -243,8 +323,12 @@ def refuse_bad_arguments(args: argparse.Namespace) -> None:
     unknown = [name for name in args.configurations.split(",") if name not in CONFIGURATIONS]
     if unknown:
         sys.exit(f"hpz_sync_modes.py: unknown configurations {unknown}; choose from {sorted(CONFIGURATIONS)}.")
-    if args.ranks < 4 or args.ranks % 2:
-        sys.exit(f"hpz_sync_modes.py: --ranks {args.ranks}: hpZ 2 needs an even number of ranks, at least 4.")
+    with_hpz = [name for name in args.configurations.split(",") if CONFIGURATIONS[name].hpz > 1]
+    if with_hpz and (args.ranks < 4 or args.ranks % 2):
+        sys.exit(
+            f"hpz_sync_modes.py: --ranks {args.ranks}: hpZ 2 ({', '.join(with_hpz)}) needs an even number of ranks, "
+            "at least 4; fewer ranks run only hpZ 1 configurations (zero3-stock, hpz1-event)."
+        )
 
 
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:

@@ -11,6 +11,7 @@ import pytest
 from conftest import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hpz_sync_modes.py"
+PHASES = ("copy", "copy_sync", "wait", "wait_device", "gather_issue", "gather_wait")
 NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, also on a GPU machine
 
 
@@ -28,7 +29,11 @@ def test_without_cuda_names_the_cpu_option(tmp_path):
 
 @pytest.mark.parametrize(
     ("arguments", "message"),
-    [(["--configurations", "zero3-stock,hpz9"], "unknown configurations ['hpz9']"), (["--ranks", "2"], "at least 4")],
+    [
+        (["--configurations", "zero3-stock,hpz9"], "unknown configurations ['hpz9']"),
+        (["--ranks", "2"], "at least 4"),
+        (["--ranks", "1", "--configurations", "zero3-stock,hpz2-event"], "only hpZ 1 configurations"),
+    ],
 )
 def test_bad_arguments_are_refused_before_any_job(tmp_path, arguments, message):
     result = _run(tmp_path, "--device", "cpu", *arguments)
@@ -47,6 +52,11 @@ def test_cpu_plumbing_hpz2_matches_deepspeed_alone_with_inference_mode_validatio
     assert len(hpz["losses"]) == 3 and len(hpz["val_losses"]) == 1  # evaluated under inference_mode after step 2
     assert (hpz["losses"], hpz["val_losses"]) == (reference["losses"], reference["val_losses"])
     assert "| hpz2-event | gloo |" in (tmp_path / "results.md").read_text()
+    # each step split into hpZ's phases (what explains one mode's step time against another's on a GPU)
+    assert "phases" not in reference  # DeepSpeed alone: nothing of the package's to time
+    assert len(hpz["phases"]) == 3 and all(set(step) == {"step", *PHASES} for step in hpz["phases"])
+    assert [step["step"] for step in hpz["phases"]] == hpz["times"]
+    assert all(step["copy"] > 0 and step["gather_issue"] > 0 for step in hpz["phases"])  # hpZ 2 copies and gathers
 
 
 @pytest.mark.multiprocess
