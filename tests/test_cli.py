@@ -14,6 +14,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 import lightning_hpz  # registers the strategy names the configs use
+from lightning_hpz.cli import shipped_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
@@ -90,3 +91,38 @@ def test_unknown_command_lists_commands():
     )
     assert result.returncode == 0
     assert "fit" in result.stdout and "strategies" in result.stdout and "consolidate" in result.stdout
+    assert "quickstart" in result.stdout and "study/cpu_small" in result.stdout  # the shipped configs, by name
+
+
+def test_shipped_configs_are_the_repository_configs_and_all_packaged():
+    # lightning_hpz/configs links to configs/; pyproject's package-data puts every file of it into the wheel
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    assert shipped_configs.SHIPPED.resolve() == ROOT / "configs"
+    packaged = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    files = {path.relative_to(ROOT / "configs") for path in (ROOT / "configs").rglob("*") if path.is_file()}
+    covered = set()
+    for package, patterns in packaged.items():
+        folder = ROOT / Path(*package.split("."))
+        covered |= {path.relative_to(shipped_configs.SHIPPED) for pattern in patterns for path in folder.glob(pattern)}
+    assert files and files == covered
+
+
+def test_a_config_that_is_no_file_names_a_shipped_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # any folder: no configs/ here
+    quickstart = shipped_configs.SHIPPED / "quickstart.yaml"
+    for name in ("configs/quickstart.yaml", "quickstart.yaml", "quickstart"):
+        assert shipped_configs.shipped_config(name) == quickstart
+    assert shipped_configs.shipped_config("study/cpu_small") == shipped_configs.SHIPPED / "study" / "cpu_small.yaml"
+    for unknown in ("configs/nothing.yaml", "../configs/quickstart.yaml", "{trainer: {max_steps: 1}}"):
+        assert shipped_configs.shipped_config(unknown) is None
+    argv = ["fit", "--config=quickstart", "-c", "configs/quickstart.yaml", "--trainer.max_steps=1", "--config", "x"]
+    assert shipped_configs.with_shipped_configs(argv) == [
+        "fit", f"--config={quickstart}", "-c", str(quickstart), "--trainer.max_steps=1", "--config", "x"
+    ]  # fmt: skip
+    assert "using the shipped config" in capsys.readouterr().err
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "quickstart.yaml").write_text("seed_everything: 1\n")
+    assert shipped_configs.shipped_config("configs/quickstart.yaml") is None  # the user's own file comes first
+    assert sorted(shipped_configs.shipped_names()) == sorted(
+        str(path.relative_to(ROOT / "configs").with_suffix("")) for path in (ROOT / "configs").rglob("*.yaml")
+    )

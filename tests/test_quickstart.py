@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,8 @@ def _import(path: str):
 
 @pytest.mark.multiprocess
 def test_quickstart_trains_and_reports(quickstart_run):
-    """The README's first command, cut to 40 steps: the loss falls by a third; the summary says where things are."""
+    """The README's first command, cut to 40 steps: the loss falls by a third; the summary says where things are; the
+    progress bar counts the steps."""
     root, completed = quickstart_run
     summary = json.loads((root / "runs/quickstart/summary.json").read_text())
     assert summary["steps"] == QUICKSTART_STEPS
@@ -75,3 +77,6 @@ def test_quickstart_trains_and_reports(quickstart_run):
     assert summary["tokens_per_second"] > 0
     assert (root / summary["checkpoint"]).is_dir()  # a sharded DeepSpeed checkpoint
     assert f"training summary ({QUICKSTART_STEPS} steps, completed)" in completed.stdout
+    # the bar counts the steps of a run max_steps ends, without a negative epoch count ("Epoch 0/-2")
+    assert re.search(rf"Epoch 0: [^\r\n]*\b{QUICKSTART_STEPS}/{QUICKSTART_STEPS}\b", completed.stdout)
+    assert "Epoch 0/" not in completed.stdout

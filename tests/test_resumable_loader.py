@@ -6,7 +6,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from lightning_hpz.exact_resume.data_order import DataOrderError
+from lightning_hpz.exact_resume.data_order import (
+    DataOrderError,
+    problems_known_at_start,
+    refuse_set_up_that_cannot_resume,
+)
 from lightning_hpz.exact_resume.resumable_loader import ResumableLoader
 from lightning_hpz.exact_resume.stream_position import gather_rank_positions
 
@@ -175,3 +179,19 @@ def test_a_stateful_stream_without_a_saved_position_is_refused_naming_why():
     resumable = ResumableLoader(DataLoader(PositionedStream(), batch_size=3), lambda: 0, exact=True)
     with pytest.raises(DataOrderError, match="holds no position of the training stream"):
         resumable.load_state_dict({"batches_consumed": 1})  # a checkpoint from before positions were saved
+
+
+def test_data_no_resume_could_continue_is_known_before_training():
+    # what the strategy refuses when fit starts under exact_resume, instead of at the resume after a preemption
+    unpositioned = DataLoader(Stream(), batch_size=3)
+    with_workers = DataLoader(PositionedStream(), batch_size=3, num_workers=2)
+    shuffled = DataLoader(CountingReads(6), shuffle=True)  # a RandomSampler: use_distributed_sampler=False
+    (stream_problem,) = problems_known_at_start(unpositioned)
+    assert "Stream cannot be positioned" in stream_problem
+    assert "read by 2 worker processes" in problems_known_at_start(with_workers)[0]
+    assert "RandomSampler" in problems_known_at_start(shuffled)[0]
+    for resumable in (DataLoader(PositionedStream(), batch_size=3), DataLoader(CountingReads(6), batch_size=2)):
+        assert problems_known_at_start(resumable) == []
+    with pytest.raises(DataOrderError, match=r"(?s)refused before it trains: .*state_dict\(\).*exact_resume=False"):
+        refuse_set_up_that_cannot_resume([stream_problem])
+    refuse_set_up_that_cannot_resume([])

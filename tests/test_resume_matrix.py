@@ -142,6 +142,5 @@ def test_resume_with_an_unrepeatable_order_is_refused(matrix_runs, module_tmp):
         "resume_matrix.py", {**options, "cells": [cell]}, module_tmp / "refused", timeout=300, ranks=options["devices"]
     )
     assert refused.returncode != 0 and not refused.ranks
-    assert "DataOrderError: Cannot resume exactly: the training DataLoader shuffles with a RandomSampler" in (
-        refused.output
-    )
+    assert "DataOrderError: exact_resume=True cannot hold for this training data" in refused.output
+    assert "the training DataLoader shuffles with a RandomSampler" in refused.output

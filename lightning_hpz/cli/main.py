@@ -1,6 +1,7 @@
 """``lightning-hpz``: LightningCLI for training (fit/validate/test/predict) plus the package's own tools.
 
-``lightning-hpz fit --config configs/quickstart.yaml`` trains; ``lightning-hpz strategies`` lists the registered
+``lightning-hpz fit --config configs/quickstart.yaml`` trains (from any folder: a ``--config`` that is no file names
+a shipped config, see :mod:`lightning_hpz.cli.shipped_configs`); ``lightning-hpz strategies`` lists the registered
 strategy names; ``lightning-hpz consolidate`` turns a sharded checkpoint into one fp32 state dict. Further tools
 register in :data:`TOOLS` as ``name -> (module path, function name, one-line help)``; each takes ``argv``.
 """
@@ -11,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 from typing import Optional
+
+from lightning_hpz.cli.shipped_configs import shipped_names, with_shipped_configs
 
 TOOLS: dict[str, tuple[str, str, str]] = {
     "strategies": ("lightning_hpz.cli.main", "print_strategies", "list the strategy names registered by lightning_hpz"),
@@ -52,10 +55,16 @@ TOOLS: dict[str, tuple[str, str, str]] = {
     "study": ("lightning_hpz.study.command", "study_main", "scaling study: ZeRO stage x model x micro-batch"),
 }
 TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
+CONFIG_COMMANDS = (*TRAINER_COMMANDS, "study")  # their --config may name a shipped config
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in CONFIG_COMMANDS:
+        argv = with_shipped_configs(argv)
+        if from_command_line:  # LightningCLI and the ranks Lightning launches read the command line itself
+            sys.argv[1:] = argv
     if argv and argv[0] in TOOLS:
         module, function, _ = TOOLS[argv[0]]
         getattr(importlib.import_module(module), function)(argv[1:])
@@ -71,6 +80,7 @@ def usage() -> str:
     lines += [f"  {name}" for name in TRAINER_COMMANDS]
     lines += ["", "tools:"]
     lines += [f"  {name:<12} {help_text}" for name, (_, _, help_text) in TOOLS.items()]
+    lines += ["", "shipped configs (--config NAME, from any folder):", *(f"  {name}" for name in shipped_names())]
     return "\n".join(lines)
 
 

@@ -5,6 +5,10 @@ rebuilt from the sampler's seed and the epoch number. Lightning's distributed sa
 ``seed_everything`` (``PL_GLOBAL_SEED``, read in ``lightning/pytorch/trainer/connectors/data_connector.py``:
 ``_get_distributed_sampler``), so it reproduces its order only under the same seed; a ``RandomSampler`` draws a fresh
 order from a generator whose state no checkpoint keeps. Either would make a resumed run silently train on other batches.
+
+What the data alone decides (a ``RandomSampler``, a stream that cannot be positioned) is refused when training starts
+(:func:`refuse_set_up_that_cannot_resume`), not hours later at the resume after a preemption; what depends on the
+checkpoint (the sampler's seed) is checked at the resume (:func:`check_resumed_order`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_hpz import lightning_internals
+from lightning_hpz.exact_resume.stream_position import position_source, reads_a_stream, unpositioned_reason
 
 
 class DataOrderError(RuntimeError):
@@ -76,6 +81,27 @@ def check_resumed_order(saved: Optional[dict[str, Any]], loader: Any, exact: boo
         rank_zero_warn(f"The resumed run will train on other batches than the interrupted one: {reason}.")
     for reason in unverifiable:
         rank_zero_warn(f"Resume may not continue exactly: {reason}.")
+
+
+def problems_known_at_start(loader: Any) -> list[str]:
+    """Why no mid-epoch resume of a run reading ``loader`` could continue with the same batches, whatever checkpoint
+    it resumes from: its sampler draws an unrepeatable order, or it reads a stream that cannot be positioned."""
+    differ, _ = order_problems(None, loader)  # no saved record: the sampler's kind alone
+    if reads_a_stream(loader) and position_source(loader) is None:
+        differ.append(unpositioned_reason(loader))
+    return differ
+
+
+def refuse_set_up_that_cannot_resume(problems: list[str]) -> None:
+    """Refuse before the first step a run under ``exact_resume`` whose every mid-epoch resume (a preemption's among
+    them) would be refused with ``DataOrderError``. ``problems``: :func:`problems_known_at_start`, all ranks' own."""
+    if problems:
+        raise DataOrderError(
+            "exact_resume=True cannot hold for this training data: a resume from a mid-epoch checkpoint (a "
+            f"preemption's, for one) would be refused, so the run is refused before it trains: {'; '.join(problems)}. "
+            "Or pass HpzStrategy(exact_resume=False) to train anyway: its resumes then warn and continue without that "
+            "guarantee."
+        )
 
 
 def set_epoch_before_iteration(loader: Any, epoch: int) -> None:

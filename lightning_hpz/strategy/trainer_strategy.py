@@ -24,6 +24,7 @@ from lightning_hpz.checkpointing.preemption_retention import (
     is_preemption_checkpoint,
     retire_older_preemption_checkpoints,
 )
+from lightning_hpz.checkpointing.rank_agreement import agreed
 from lightning_hpz.exact_resume import data_order, epoch_end_checkpoint, random_layers, stream_position
 from lightning_hpz.exact_resume.data_order import DataOrderError
 from lightning_hpz.exact_resume.resumable_batches import ResumableBatches
@@ -66,7 +67,9 @@ class HpzStrategy(HpzSetup, TrainerDeepSpeedHooks):
             would have seen next (Lightning otherwise restarts the epoch for a plain DataLoader; a ``Stateful``
             ``IterableDataset`` or loader is put back at its position, each rank at its own), and refuse a resume
             whose data order cannot repeat (``DataOrderError``), that would have to read a stream without a position
-            again to reach a mid-epoch one (``DataOrderError``), or that changes the number of ranks. False: all are
+            again to reach a mid-epoch one (``DataOrderError``), or that changes the number of ranks. Training data
+            that no mid-epoch resume could continue exactly (a ``RandomSampler``, an ``IterableDataset`` that is not
+            ``Stateful``) is refused when ``fit`` starts, before the first step. False: all are
             warned about, such a stream is read again up to the position, and a resume on another number of ranks
             continues at the same global sample position. Default True.
         failure_grace_period: when the Trainer raises on a rank, that rank aborts its process groups and every rank
@@ -181,6 +184,7 @@ class HpzStrategy(HpzSetup, TrainerDeepSpeedHooks):
             # Lightning creates the iterator before it sets the epoch being resumed (`_FitLoop.setup_data`, then
             # `on_advance_start`): a loader that draws its order at once (workers, a skip) would use epoch 0's.
             data_order.set_epoch_before_iteration(dataloader, trainer.fit_loop.epoch_progress.current.processed)
+            self._refuse_data_that_cannot_resume(dataloader)
             self._check_resumed_data_order(dataloader)
         # wrapped under either setting: a checkpoint holds the wrapper's state, which Lightning refuses to load into a
         # loader without one (so exact_resume could not be switched off for a resume on another number of ranks)
@@ -192,6 +196,11 @@ class HpzStrategy(HpzSetup, TrainerDeepSpeedHooks):
             rank=self.global_rank,
             exact=self.exact_resume,
         )
+
+    def _refuse_data_that_cannot_resume(self, dataloader: Any) -> None:
+        # at the first start, not at the resume after a preemption hours later; agreed, so that every rank raises
+        if self.exact_resume:
+            data_order.refuse_set_up_that_cannot_resume(agreed(data_order.problems_known_at_start(dataloader)))
 
     def _check_resumed_data_order(self, dataloader: Any) -> None:
         if self._resumed_data_order is not None:

@@ -5,7 +5,8 @@ a training run in the same processes, from scratch with a checkpoint every ``che
 ``resume_from``) resumed from one of those checkpoints to ``steps``:
 
 - ``iterable``: an ``IterableDataset`` that yields this rank's share of a seeded stream (no position to resume at:
-  resumed with ``exact_resume=False``, it is read again up to the position; ``exact_resume: true`` is refused);
+  resumed with ``exact_resume=False``, it is read again up to the position; ``exact_resume: true`` is refused when
+  the fit starts, fresh or resumed);
 - ``stateful``: a ``Stateful`` ``IterableDataset`` whose position (the next example of the corpus it reads) differs
   between ranks, checkpointed mid-epoch by ``ModelCheckpoint``;
 - ``stateful_preempted``: the same, checkpointed by a preemption (every rank signals itself SIGTERM after
