@@ -1,7 +1,8 @@
 """An interrupted conversion to DeepSpeed's universal format resumes (issue 25): the rerun skips every ZeRO shard and
 parameter done before, and writes the copy an uninterrupted conversion writes, byte for byte. A partial copy of
-another checkpoint is discarded, not resumed. One launch (2 ranks, ZeRO-3) writes the checkpoints; every conversion
-runs in this process, except the one a SIGKILL ends (``lightning-hpz checkpoint convert``)."""
+another checkpoint is discarded, not resumed. Shared by the ranks of a job (issue 40), each does its part and the copy
+is the same, byte for byte. One launch (2 ranks, ZeRO-3) writes the checkpoints; every conversion runs in this
+process, except the one a SIGKILL ends (``lightning-hpz checkpoint convert``) and the one 3 ranks share."""
 
 import functools
 import os
@@ -135,6 +136,20 @@ def test_a_converter_that_cannot_resume_converts_from_the_start(
     assert calls == {EXTRACT: SHARDS, MERGE: PARAMETERS}
     assert any("DeepSpeed 9.9 has no" in line for line in reported), reported
     assert _contents(tmp_path / "universal") == uninterrupted[2]
+
+
+@pytest.mark.multiprocess
+def test_ranks_share_the_conversion_and_write_the_copy_one_process_writes(checkpoints, uninterrupted, module_tmp):
+    options = {"checkpoint": str(checkpoints[4]), "cache": str(module_tmp / "shared")}
+    run = run_script("shared_conversion.py", options, module_tmp / "shared_run", timeout=300, ranks=3)
+    assert_succeeded(run, ranks=3)
+    (copy,) = {Path(record["copy"]) for record in run.ranks.values()}
+    assert _contents(copy) == uninterrupted[4]
+    # ZeRO shard r on rank r (rank 2 has none: 2 shards); each parameter merged once, 2 per rank
+    assert [run.ranks[rank]["extracted"] for rank in range(3)] == [[0], [1], []]
+    merged = [run.ranks[rank]["merged"] for rank in range(3)]
+    assert [len(names) for names in merged] == [PARAMETERS // 3] * 3
+    assert len(set().union(*merged)) == PARAMETERS
 
 
 def test_a_converter_with_other_parameters_is_named(monkeypatch):

@@ -12,7 +12,7 @@ from lightning_hpz.exact_resume.data_order import (
     refuse_set_up_that_cannot_resume,
 )
 from lightning_hpz.exact_resume.resumable_loader import ResumableLoader
-from lightning_hpz.exact_resume.stream_position import gather_rank_positions
+from lightning_hpz.exact_resume.stream_position import keep_rank_positions
 
 
 class CountingReads(Dataset):
@@ -119,18 +119,26 @@ def test_a_stateful_stream_resumes_at_its_position_after_the_last_trained_batch_
     assert stream.reads == 4  # nothing read again
 
 
-def test_each_rank_takes_its_own_gathered_position():
+def test_each_rank_keeps_its_own_position_and_rank_zero_every_ranks():
     positions = [{"position": 6}, {"position": 7}]  # after 2 batches of 3 on each rank, reading unequal streams
     states = [{"batches_consumed": 2, "world_size": 2, "position": position} for position in positions]
     checkpoints = [{"loops": {"fit_loop": {"state_dict": {"combined_loader": [state]}}}} for state in states]
-    for checkpoint in checkpoints:  # what all_gather_object returns on every rank: each rank's list of positions
-        gather_rank_positions(checkpoint, lambda own: [[position] for position in positions])
-    for rank, checkpoint in enumerate(checkpoints):
-        (saved,) = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
-        assert saved["positions"] == [{"position": 6}, {"position": 7}]
+    for rank, checkpoint in enumerate(checkpoints):  # what gather_object returns: every rank's on rank 0 alone
+        keep_rank_positions(checkpoint, rank, lambda own, rank=rank: [[p] for p in positions] if rank == 0 else None)
+    saved = [checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0] for checkpoint in checkpoints]
+    assert saved[0]["positions"] == positions and "positions" not in saved[1]  # one copy of the N, not N copies
+    # ZeRO 3: each rank reads its own file; ZeRO 1-2: every rank reads rank 0's
+    for rank, state in [(0, saved[0]), (1, saved[1]), (1, saved[0])]:
         resumed = ResumableLoader(DataLoader(PositionedStream(), batch_size=3), lambda: 0, world_size=2, rank=rank)
-        resumed.load_state_dict(saved)
+        resumed.load_state_dict(state)
         assert next(iter(resumed)).tolist() == [6 + rank, 7 + rank, 8 + rank]
+    # another rank's own position, or one saved on another number of ranks, is not taken for this rank's
+    for rank, world_size in [(0, 2), (1, 4)]:
+        resumed = ResumableLoader(
+            DataLoader(PositionedStream(), batch_size=3), lambda: 0, world_size=world_size, rank=rank, exact=True
+        )
+        with pytest.raises(DataOrderError, match="holds no position of the training stream"):
+            resumed.load_state_dict(saved[1])
 
 
 def test_a_stateful_loader_is_positioned_by_itself_and_not_skipped_again():

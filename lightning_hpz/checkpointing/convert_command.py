@@ -1,8 +1,8 @@
 """``lightning-hpz checkpoint convert CKPT_DIR [--cache DIR]``: the universal-format copy, made ahead of a resize.
 
-A resume on another number of ranks converts the checkpoint on rank 0 while the others wait; for a large model that
-is minutes of idle GPUs, and a checkpoint that cannot be written needs a cache folder. This runs the same conversion
-in one process (DeepSpeed's progress bars shown), verifies the checkpoint first, and says what the run needs to find
+A resume on another number of ranks converts the checkpoint with all its ranks before training; for a large model
+that is still minutes of idle GPUs, and a checkpoint that cannot be written needs a cache folder. This runs the same
+conversion in one process (a line per phase shown), verifies the checkpoint first, and says what the run needs to find
 the copy. An interrupted conversion leaves ``*.partial`` behind, and running the command again resumes it: the ZeRO
 shards and parameters done before are skipped.
 """

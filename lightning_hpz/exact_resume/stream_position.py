@@ -8,9 +8,11 @@ exact resume under Lightning and DeepSpeed:
 - Lightning prefetches one batch of a loader without a length (``_PrefetchDataFetcher.__iter__``): when a checkpoint
   is taken the stream already stands one batch past the last trained one. The position is therefore recorded after
   every batch the loader hands out, and the checkpoint takes the one after the last trained batch.
-- Each rank reads its own share of the stream, so each has its own position; DeepSpeed keeps the loop state of rank
-  0 only at ZeRO 1 and 2 (``mp_rank_00_model_states.pt``). The positions of all ranks are gathered into every rank's
-  checkpoint state when it is saved (:func:`gather_rank_positions`) and each rank takes its own at resume.
+- Each rank reads its own share of the stream, so each has its own position. At ZeRO 3 every rank writes and reads
+  its own loop state (``zero_pp_rank_<r>_mp_rank_00_model_states.pt``); at ZeRO 1 and 2 DeepSpeed keeps rank 0's
+  alone (``mp_rank_00_model_states.pt``), which every rank reads. So each rank's state keeps its own position, marked
+  with its rank, and rank 0's also carries every rank's, gathered once to rank 0 (:func:`keep_rank_positions`): a
+  save costs each rank one position and rank 0 the N of them, instead of N positions in each of N files.
 - With worker processes the dataset object that iterates lives in the workers: the copy in the main process never
   moves. Its position is then only known to a loader that collects it from the workers, such as torchdata's
   ``StatefulDataLoader`` (itself ``Stateful``, so its own state is the position).
@@ -91,8 +93,9 @@ class PositionRecord:
         return self._after.get(batches)
 
 
-def gather_rank_positions(checkpoint: dict[str, Any], all_gather_object: Callable[[Any], list[Any]]) -> None:
-    """Replace each training loader's own ``position`` by every rank's (``positions``, in rank order).
+def keep_rank_positions(checkpoint: dict[str, Any], rank: int, gather_to_rank_zero: Callable[[Any], list[Any]]) -> None:
+    """Mark each training loader's own ``position`` with ``rank`` (``position_rank``) and, on rank 0, add every rank's
+    (``positions``, in rank order), gathered by ``gather_to_rank_zero`` (None on the other ranks).
 
     Called on every rank while the checkpoint is saved; every rank has the same loaders, so all gather alike.
     """
@@ -101,15 +104,20 @@ def gather_rank_positions(checkpoint: dict[str, Any], all_gather_object: Callabl
     positioned = [state for state in states if "position" in state]
     if not positioned:
         return
-    by_rank = all_gather_object([state["position"] for state in positioned])  # [rank][loader]
+    by_rank = gather_to_rank_zero([state["position"] for state in positioned])  # [rank][loader] on rank 0
     for index, state in enumerate(positioned):
-        del state["position"]
-        state["positions"] = [rank_positions[index] for rank_positions in by_rank]
+        state["position_rank"] = rank
+        if by_rank is not None:
+            state["positions"] = [rank_positions[index] for rank_positions in by_rank]
 
 
 def own_position(state: dict[str, Any], rank: int, world_size: int) -> tuple[bool, Optional[Any]]:
-    """(whether this run can use the saved positions, this rank's position) from a loader's saved state."""
+    """(whether this run can use the saved positions, this rank's position) from a loader's saved state: rank 0's
+    vector of every rank's, else the rank's own (its own file, at ZeRO 3), when saved on as many ranks."""
     if "positions" in state:
         positions = state["positions"]
         return (True, positions[rank]) if len(positions) == world_size else (False, None)
+    if "position_rank" in state:
+        own = state["position_rank"] == rank and state.get("world_size") == world_size
+        return (True, state["position"]) if own else (False, None)
     return ("position" in state, state.get("position"))  # saved without the gather: one process

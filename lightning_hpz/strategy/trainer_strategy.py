@@ -290,7 +290,7 @@ class HpzStrategy(HpzSetup, TrainerDeepSpeedHooks):
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
         filepath = self.broadcast(filepath)
-        stream_position.gather_rank_positions(checkpoint, collectives.all_gather_object)  # each rank's own stream
+        stream_position.keep_rank_positions(checkpoint, self.global_rank, collectives.gather_object)
         step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
         run = compatibility.describe_run(self, self.lightning_module, self.model, step, epoch)
         started = time.monotonic()
