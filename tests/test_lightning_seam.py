@@ -29,6 +29,7 @@ OWN_NAMES_THAT_LIGHTNING_ALSO_USES = {
     "partitioning/cpu_adam_op.py": {"_load"},
     "partitioning/cpu_comm_op.py": {"_load"},
     "partitioning/deepspeed_patch.py": {"_version"},  # torch's Tensor._version
+    "partitioning/resumable_conversion.py": {"_save_checkpoint"},  # DeepSpeed's ds_to_universal writer
     "study/study_config.py": {"_launcher", "_mapping"},
 }
 
