@@ -385,6 +385,7 @@ class PeerWatchdog:
         self.verdict: Optional[str] = None
         self.found: Optional[str] = None  # the loss this rank publishes in its key
         self.store_requests = 0  # store calls made by the beat thread (the scale ledger counts them)
+        self.beats = 0  # beats written and read back
         self._keys_exist = False
         self._client: Optional[Any] = None
         self._lock = threading.Lock()  # the book is written by the beat thread and read by the judge
@@ -489,6 +490,7 @@ class PeerWatchdog:
                 answered = self.clock()
                 with self._lock:
                     self.book.observe(values, answered, answered - started)
+                self.beats += 1
             self._stopping.wait(self.interval)
 
     def _connection(self) -> Any:

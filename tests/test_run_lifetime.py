@@ -1,0 +1,68 @@
+"""What a run leaves behind and what it costs the rendezvous store, at 2 and 4 real ranks (scale ledger, docs/scale.md).
+
+- A Fabric script that never calls ``teardown`` (LitGPT's do not) leaves no package thread: destroying the process
+  group, as Lightning's test harness does, ends the watchdog (its threads are daemons with a ``stop`` until then),
+  interpreter exit ends it otherwise, and a rank that finishes later than rank 0 still exits 0, not 76.
+- The watchdog makes two store requests per rank per beat, and the bytes the store serves per rank and beat do not
+  grow from 2 to 4 ranks: the store's traffic grows at most linearly with the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_script
+
+pytestmark = pytest.mark.multiprocess
+
+INTERVAL, TIMEOUT = 0.5, 6.0
+OPTIONS = {"interval": INTERVAL, "timeout": TIMEOUT, "window": [3, 23], "step_s": 0.15}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("lifetime")
+    # 2 ranks as a user runs a script (whole interpreters: exit handlers run), rank 1 finishing 8 s after rank 0;
+    # 4 ranks from the warm launcher, for the ledger only
+    two = {**OPTIONS, "devices": 2, "harness_rank": 1, "slower_s": 8.0}
+    return {
+        2: run_script("fabric_run_lifetime.py", two, out / "two", timeout=300),
+        4: run_script("fabric_run_lifetime.py", {**OPTIONS, "devices": 4}, out / "four", timeout=300, ranks=4),
+    }
+
+
+def test_a_fabric_script_without_teardown_leaves_no_thread_and_a_slower_rank_exits_0(runs):
+    run = runs[2]
+    assert run.returncode == 0, run.output[-4000:]
+    assert "exit code 76" not in run.output, run.output[-4000:]
+    slower = run.ranks[1]
+    assert {t["name"] for t in slower["threads"]} == {"lightning-hpz-heartbeat", "lightning-hpz-peer-judge"}
+    assert all(t["daemon"] and t["stop"] for t in slower["threads_right_after_destroy"])  # the harness can stop them
+    assert slower["threads_after_destroy"] == []
+    ended = json.loads((run.out / "exit_of_rank0.json").read_text())
+    assert ended["threads"] == []
+    # rank 0 serves the store: at exit it waited for rank 1 to leave, which a lost rank 1 would not (timeout 6 s)
+    assert 4.0 < ended["exit_waited_s"] < TIMEOUT + 2, ended
+
+
+def _per_rank_beat(run) -> dict:
+    beats = requests = 0
+    for record in run.ranks.values():
+        first, last = record["ledger"]
+        beats += last["beats"] - first["beats"]
+        requests += last["requests"] - first["requests"]
+    first, last = run.ranks[0]["ledger"]
+    return {"beats": beats, "requests": requests, "bytes": last["bytes"] - first["bytes"]}
+
+
+def test_store_requests_per_beat_are_two_and_bytes_per_rank_do_not_grow_from_2_to_4_ranks(runs):
+    ledger = {}
+    for ranks, run in runs.items():
+        assert run.returncode == 0 and sorted(run.ranks) == list(range(ranks)), run.output[-4000:]
+        ledger[ranks] = counted = _per_rank_beat(run)
+        assert counted["beats"] >= 2 * ranks, counted  # the window saw beats on every rank
+        assert counted["requests"] == 2 * counted["beats"], counted  # one set, one multi_get per beat
+    per_beat = {ranks: counted["bytes"] / counted["beats"] for ranks, counted in ledger.items()}
+    assert per_beat[2] > 0, ledger
+    assert per_beat[4] <= 1.25 * per_beat[2], (per_beat, ledger)  # linear in the ranks: flat per rank and beat
