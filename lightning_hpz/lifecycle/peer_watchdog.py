@@ -557,10 +557,12 @@ class PeerWatchdog:
                 self.book.excuse(late_by)
             self.book.credit_progress(self._last_progress)
             lost = what_is_lost(self.book, now, self.tree, self.address)
-            told_by_rank_0 = 0 in self.book.reported
+            # a loss rank 0 announced reached every rank already; with the store silent, nobody can be told
+            tell_others = self.relays and 0 not in self.book.reported
+            tell_others = tell_others and self.book.store_silent_for(now) <= self.book.timeout
         if lost is None or self._stopping.is_set():
             return False
-        if self.relays and not told_by_rank_0:
+        if tell_others:
             # rank 0 and node leaders carry a loss to the ranks that read them: their key says so for two more beats
             # before they exit (those readers are blocked in collectives: nothing else would tell them)
             self.found = lost
