@@ -23,9 +23,9 @@ OPTIONS = {"interval": INTERVAL, "timeout": TIMEOUT, "window": [3, 23], "step_s"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("lifetime")
-    # 2 ranks as a user runs a script (whole interpreters: exit handlers run), rank 1 finishing 8 s after rank 0;
+    # 2 ranks as a user runs a script (whole interpreters: exit handlers run), rank 1 finishing 4 s after rank 0;
     # 4 ranks from the warm launcher, for the ledger only
-    two = {**OPTIONS, "devices": 2, "harness_rank": 1, "slower_s": 8.0}
+    two = {**OPTIONS, "devices": 2, "harness_rank": 1, "slower_s": 4.0}
     return {
         2: run_script("fabric_run_lifetime.py", two, out / "two", timeout=300),
         4: run_script("fabric_run_lifetime.py", {**OPTIONS, "devices": 4}, out / "four", timeout=300, ranks=4),
@@ -42,8 +42,8 @@ def test_a_fabric_script_without_teardown_leaves_no_thread_and_a_slower_rank_exi
     assert slower["threads_after_destroy"] == []
     ended = json.loads((run.out / "exit_of_rank0.json").read_text())
     assert ended["threads"] == []
-    # rank 0 serves the store: at exit it waited for rank 1 to leave, which a lost rank 1 would not (timeout 6 s)
-    assert 4.0 < ended["exit_waited_s"] < TIMEOUT + 2, ended
+    # rank 0 serves the store: at exit it waited for rank 1 to leave (about 4 s later), not for the whole timeout
+    assert 3.0 < ended["exit_waited_s"] < TIMEOUT, ended
 
 
 def _per_rank_beat(run) -> dict:

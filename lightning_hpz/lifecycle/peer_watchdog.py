@@ -22,7 +22,7 @@ rank's abort does not wake the ranks of other nodes. Design, with the reasons:
   side group with a short timeout would instead need a collective every rank joins in step, which a rank blocked in a
   long NCCL kernel cannot do.
 - **Store calls never block the decision.** The beat thread talks to the store over a connection of its own
-  (``store.clone()``, timeout ``interval * 2`` at most 15 s), so the training thread's store calls keep their own
+  (timeout ``interval * 2`` at most 15 s, connecting included), so the training thread's store calls keep their own
   timeout; a call that hangs on a dead link only delays that thread. The judge thread never touches the network: when
   no store call has succeeded for ``timeout`` seconds, the store itself is unreachable. The store is served from rank
   0's node, so that is how rank 0's node's loss, or a cut link seen from the other nodes, shows: the message names
@@ -327,6 +327,22 @@ def store_address(store: Any) -> str:
     return f"{host}:{port}" if host is not None else type(store).__name__
 
 
+def connect(store: Any, timeout: float) -> Any:
+    """A connection of its own to ``store``'s server that gives up after ``timeout`` seconds, also while connecting
+    (a ``clone`` connects with the store's own timeout, 30 minutes by default, to a server that may be gone)."""
+    from torch.distributed import TCPStore
+
+    base = store
+    while hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    if isinstance(base, TCPStore):
+        seconds = datetime.timedelta(seconds=timeout)
+        return TCPStore(base.host, base.port, is_master=False, timeout=seconds, wait_for_workers=False)
+    client = store.clone()
+    client.set_timeout(datetime.timedelta(seconds=timeout))
+    return client
+
+
 class _WatchdogThread(threading.Thread):
     """A daemon thread of the watchdog that stops it on request: test harnesses that stop a finished test's daemon
     threads through their ``stop`` (Lightning's own) end the watchdog cleanly, peers told it left."""
@@ -495,9 +511,7 @@ class PeerWatchdog:
 
     def _connection(self) -> Any:
         if self._client is None:
-            client = self.store.clone()  # connects with the store's timeout, then gets the short one
-            client.set_timeout(datetime.timedelta(seconds=self.call_timeout))
-            self._client = client
+            self._client = connect(self.store, self.call_timeout)
         return self._client
 
     def _beat_and_read(self) -> dict[int, Optional[str]]:
