@@ -356,7 +356,7 @@ class PeerWatchdog:
     """Heartbeats of this rank through ``store``; ends the process when a peer or the store falls silent.
 
     Args:
-        store: the job's key-value store (the default process group's); a connection of its own is cloned from it.
+        store: the job's key-value store (the default process group's); the watchdog opens a connection of its own.
         rank, world_size: this rank and the number of ranks.
         node_of: the node of a rank (ranks are numbered node by node), for the tree of reads and for messages.
         timeout: seconds of silence after which a peer (or the store) is lost.
