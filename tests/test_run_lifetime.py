@@ -3,8 +3,9 @@
 - A Fabric script that never calls ``teardown`` (LitGPT's do not) leaves no package thread: destroying the process
   group, as Lightning's test harness does, ends the watchdog (its threads are daemons with a ``stop`` until then),
   interpreter exit ends it otherwise, and a rank that finishes later than rank 0 still exits 0, not 76.
-- The watchdog makes two store requests per rank per beat, and the bytes the store serves per rank and beat do not
-  grow from 2 to 4 ranks: the store's traffic grows at most linearly with the ranks.
+- The watchdog makes two store requests per rank per beat, and the bytes the store serves per rank and beat grow
+  from 2 to 4 ranks only as the key reads of the tree do (at most two per rank): the store's traffic grows at most
+  linearly with the ranks.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ def runs(tmp_path_factory) -> dict:
     # 2 ranks as a user runs a script (whole interpreters: exit handlers run), rank 1 finishing 4 s after rank 0;
     # 4 ranks from the warm launcher, for the ledger only
     two = {**OPTIONS, "devices": 2, "harness_rank": 1, "slower_s": 4.0}
-    return {
+    runs = {
         2: run_script("fabric_run_lifetime.py", two, out / "two", timeout=300),
         4: run_script("fabric_run_lifetime.py", {**OPTIONS, "devices": 4}, out / "four", timeout=300, ranks=4),
     }
+    runs[2].folder = out / "two"
+    return runs
 
 
 def test_a_fabric_script_without_teardown_leaves_no_thread_and_a_slower_rank_exits_0(runs):
@@ -40,7 +43,7 @@ def test_a_fabric_script_without_teardown_leaves_no_thread_and_a_slower_rank_exi
     assert {t["name"] for t in slower["threads"]} == {"lightning-hpz-heartbeat", "lightning-hpz-peer-judge"}
     assert all(t["daemon"] and t["stop"] for t in slower["threads_right_after_destroy"])  # the harness can stop them
     assert slower["threads_after_destroy"] == []
-    ended = json.loads((run.out / "exit_of_rank0.json").read_text())
+    ended = json.loads((run.folder / "exit_of_rank0.json").read_text())
     assert ended["threads"] == []
     # rank 0 serves the store: at exit it waited for rank 1 to leave (about 4 s later), not for the whole timeout
     assert 3.0 < ended["exit_waited_s"] < TIMEOUT, ended
@@ -65,4 +68,7 @@ def test_store_requests_per_beat_are_two_and_bytes_per_rank_do_not_grow_from_2_t
         assert counted["requests"] == 2 * counted["beats"], counted  # one set, one multi_get per beat
     per_beat = {ranks: counted["bytes"] / counted["beats"] for ranks, counted in ledger.items()}
     assert per_beat[2] > 0, ledger
-    assert per_beat[4] <= 1.25 * per_beat[2], (per_beat, ledger)  # linear in the ranks: flat per rank and beat
+    # All ranks on one node here: rank 0 reads its N - 1 node mates, the others rank 0, so key reads per rank and
+    # beat are (2N - 2) / N: 1 at 2 ranks, 1.5 at 4, never over 2 at any N (docs/scale.md). Reading every peer's key
+    # (the design before) would make it N - 1: 3 at 4 ranks.
+    assert per_beat[4] <= 1.5 * per_beat[2], (per_beat, ledger)
