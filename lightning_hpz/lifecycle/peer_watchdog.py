@@ -21,12 +21,12 @@ rank's abort does not wake the ranks of other nodes. Design, with the reasons:
   or torchrun's): it exists in every launch, needs no port or group of its own, and carries no bulk traffic. A gloo
   side group with a short timeout would instead need a collective every rank joins in step, which a rank blocked in a
   long NCCL kernel cannot do.
-- **Store calls never block the decision.** The beat thread talks to the store over a connection of its own
-  (timeout ``interval * 2`` at most 15 s, connecting included), so the training thread's store calls keep their own
-  timeout; a call that hangs on a dead link only delays that thread. The judge thread never touches the network: when
-  no store call has succeeded for ``timeout`` seconds, the store itself is unreachable. The store is served from rank
-  0's node, so that is how rank 0's node's loss, or a cut link seen from the other nodes, shows: the message names
-  the store's address and rank 0's node.
+- **Store calls never block the decision.** The beat thread talks to the store over a connection of its own (calls
+  time out after ``interval * 2``, at most 15 s; connecting, after ``peer_timeout``), so the training thread's store
+  calls keep their own timeout; a call that hangs on a dead link only delays that thread. The judge thread never
+  touches the network: when no store call has succeeded for ``timeout`` seconds, the store itself is unreachable. The
+  store is served from rank 0's node, so that is how rank 0's node's loss, or a cut link seen from the other nodes,
+  shows: the message names the store's address and rank 0's node.
 - **Lost after ``timeout`` seconds of silence, default 45 s.** Measured on the two-node testbed (README "Lost nodes
   and cut links"): with the link slowed 100-fold (200 -> 2 Mbit/s) and full of ZeRO-3 all-gathers, the slowest
   heartbeat round trip stayed near one second. Silence is counted only while the store answers: a store that stalls
@@ -327,19 +327,21 @@ def store_address(store: Any) -> str:
     return f"{host}:{port}" if host is not None else type(store).__name__
 
 
-def connect(store: Any, timeout: float) -> Any:
-    """A connection of its own to ``store``'s server that gives up after ``timeout`` seconds, also while connecting
-    (a ``clone`` connects with the store's own timeout, 30 minutes by default, to a server that may be gone)."""
+def connect(store: Any, connect_timeout: float, call_timeout: float) -> Any:
+    """A connection of its own to ``store``'s server whose calls give up after ``call_timeout`` seconds. Connecting
+    may take up to ``connect_timeout`` (a handshake queued behind a saturated link takes several round trips; a
+    ``clone`` would wait the store's own timeout, 30 minutes by default, for a server that may be gone)."""
     from torch.distributed import TCPStore
 
     base = store
     while hasattr(base, "underlying_store"):
         base = base.underlying_store
     if isinstance(base, TCPStore):
-        seconds = datetime.timedelta(seconds=timeout)
-        return TCPStore(base.host, base.port, is_master=False, timeout=seconds, wait_for_workers=False)
-    client = store.clone()
-    client.set_timeout(datetime.timedelta(seconds=timeout))
+        patience = datetime.timedelta(seconds=connect_timeout)
+        client = TCPStore(base.host, base.port, is_master=False, timeout=patience, wait_for_workers=False)
+    else:
+        client = store.clone()
+    client.set_timeout(datetime.timedelta(seconds=call_timeout))
     return client
 
 
@@ -511,7 +513,7 @@ class PeerWatchdog:
 
     def _connection(self) -> Any:
         if self._client is None:
-            self._client = connect(self.store, self.call_timeout)
+            self._client = connect(self.store, self.book.timeout, self.call_timeout)
         return self._client
 
     def _beat_and_read(self) -> dict[int, Optional[str]]:
