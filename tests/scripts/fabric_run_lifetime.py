@@ -6,7 +6,8 @@ whole interpreter, so interpreter exit runs as in a user's script) or from the w
 
 - ``ledger``: over a window of training steps, the watchdog's beats and store requests on this rank, and (rank 0)
   the bytes the store's server sockets received and sent (``ss``), for the scale ledger;
-- ``threads``: the package's threads while training (name, daemon, has ``stop``);
+- ``threads``, ``store_connections``: the package's threads while training (name, daemon, has ``stop``), and this
+  process's connections to the store;
 - with ``harness_rank``: that rank, ``slower_s`` seconds after the others finished, destroys the process group as
   Lightning's test harness does between tests, and records the package threads alive right after (each must be a
   daemon with a ``stop``, the harness's contract) and after up to 3 s (none). The other ranks just end: the
@@ -44,6 +45,12 @@ def store_bytes(port: int) -> int:
     return sum(int(value) for value in re.findall(r"bytes_(?:received|sent):(\d+)", listing))
 
 
+def store_connections(port: int) -> int:
+    """This process's TCP connections to the store's port."""
+    listing = subprocess.run(["ss", "-tnpH", f"( dport = :{port} )"], capture_output=True, text=True).stdout
+    return sum(1 for line in listing.splitlines() if f"pid={os.getpid()}," in line)
+
+
 def sample(watchdog, port: int) -> dict:
     return {"beats": watchdog.beats, "requests": watchdog.store_requests, "bytes": store_bytes(port)}
 
@@ -69,7 +76,7 @@ def main(options: dict) -> None:
     model = torch.nn.Linear(8, 1)
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     watchdog, port = strategy.peer_watchdog, int(os.environ["MASTER_PORT"])
-    record: dict = {"threads": package_threads()}
+    record: dict = {"threads": package_threads(), "store_connections": store_connections(port)}
     window = options["window"]
     for step in range(window[1] + 1):
         loss = model(torch.randn(4, 8)).pow(2).mean()
