@@ -66,9 +66,10 @@ def test_store_requests_per_beat_are_two_and_bytes_per_rank_do_not_grow_from_2_t
         ledger[ranks] = counted = _per_rank_beat(run)
         assert counted["beats"] >= 2 * ranks, counted  # the window saw beats on every rank
         assert counted["requests"] == 2 * counted["beats"], counted  # one set, one multi_get per beat
-    for run in runs.values():  # per rank, whatever the ranks: two threads, and torch's and the watchdog's connection
-        assert {len(record["threads"]) for record in run.ranks.values()} == {2}
-        assert {record["store_connections"] for record in run.ranks.values()} == {2}
+    # per rank, whatever the ranks: the watchdog's two threads, and as many store connections (torch's, the watchdog's)
+    assert {len(record["threads"]) for run in runs.values() for record in run.ranks.values()} == {2}
+    connections = {record["store_connections"] for run in runs.values() for record in run.ranks.values()}
+    assert len(connections) == 1 and 1 < min(connections) <= 3, connections
     per_beat = {ranks: counted["bytes"] / counted["beats"] for ranks, counted in ledger.items()}
     assert per_beat[2] > 0, ledger
     # All ranks on one node here: rank 0 reads its N - 1 node mates, the others rank 0, so key reads per rank and
