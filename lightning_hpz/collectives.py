@@ -7,6 +7,7 @@ backend, so the CPU tests exercise the same code path a GPU run takes.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -59,41 +60,51 @@ def all_reduce_values(values: list[float], op: str = "sum", group: Optional[Any]
 
 
 class PendingReduction:
-    """An all-reduce of a few numbers on the host-side control group, started now and read later.
+    """An all-reduce of a few numbers on the default group, started now and read later (a step later).
 
-    The numbers travel over gloo in host memory, so neither starting nor reading it waits for the GPU: a decision
-    all ranks must take together (a preemption flag) costs no drain of the device pipeline. Read it at the same point
-    on every rank (``result`` waits for the reduction, which the ranks started one step earlier).
+    No group of its own: a world-wide side group would be a full mesh of connections (N - 1 sockets per rank, which
+    fails at about a thousand ranks or under ``ulimit -n 1024``). Under gloo the numbers travel in host memory; under
+    NCCL the reduction is queued behind the step's GPU work and its result copied to pinned host memory behind it,
+    so starting it never waits, and reading it a step later waits only for GPU work of the step before (done by
+    then). Read it at the same point on every rank (``result`` waits for the reduction the ranks started earlier).
     """
 
     def __init__(self, values: list[float], op: str = "sum") -> None:
         reduce_op = _reduce_op(op)
         self._values = torch.tensor(values, dtype=torch.float64)
-        self._work = None
-        if is_distributed():
-            self._work = dist.all_reduce(self._values, op=reduce_op, group=control_group(), async_op=True)
+        self._work: Optional[Any] = None
+        self._copied: Optional[Any] = None  # under NCCL: the event after the copy to the host
+        if not is_distributed():
+            return
+        device = collective_device()
+        placed = self._values.to(device)
+        self._work = dist.all_reduce(placed, op=reduce_op, async_op=True)
+        if device.type == "cuda":
+            self._work.wait()  # the current stream waits for the reduction; the host does not
+            self._work = None
+            self._values = placed.to("cpu", non_blocking=True)  # into pinned memory, behind the reduction
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._values = placed
 
     def result(self) -> list[float]:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
         return self._values.tolist()
 
 
-_CONTROL_GROUPS: dict[Any, Any] = {}
-
-
-def control_group() -> Any:
-    """A gloo group over every rank for control values in host memory (the default group itself when it is gloo).
-
-    Built on first use, which every rank must reach in the same order as its other collectives.
-    """
-    if "gloo" in str(dist.get_backend()).lower():
-        return None
-    world = dist.group.WORLD
-    if world not in _CONTROL_GROUPS:
-        _CONTROL_GROUPS[world] = dist.new_group(backend="gloo")
-    return _CONTROL_GROUPS[world]
+def default_group_still_current() -> Any:
+    """A test, ``() -> bool``, of whether the default process group of now is still the default one: False once it
+    was destroyed (a script that never tears its strategy down, a test harness between tests)."""
+    if not is_distributed():
+        return lambda: False
+    world = weakref.ref(dist.group.WORLD)
+    return lambda: is_distributed() and dist.group.WORLD is world()
 
 
 def all_gather_tensor(tensor: torch.Tensor, group: Optional[Any] = None) -> list[torch.Tensor]:

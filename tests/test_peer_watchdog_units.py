@@ -1,7 +1,9 @@
 """The peer watchdog's decisions without a cluster: a fake store and a fake clock (lifecycle/peer_watchdog.py).
 
 A peer that stops beating is lost after the timeout, one that keeps beating never is however slow, a rank that left
-cleanly is not missed, an unreachable store is named, and this process's own stall is not blamed on its peers.
+cleanly is not missed, an unreachable store is named, a store that stalls for less than the timeout kills nothing,
+a loss found by a node's leader reaches every rank through rank 0, and this process's own stall is not blamed on its
+peers. Each rank reads O(1) keys (a leader its node's, rank 0 its node's and the leaders').
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 import pytest
 
 from lightning_hpz.lifecycle import peer_watchdog
-from lightning_hpz.lifecycle.peer_watchdog import LEFT, BeatBook, PeerWatchdog, describe_loss, heartbeat_key
+from lightning_hpz.lifecycle.peer_watchdog import LEFT, Beat, BeatBook, PeerWatchdog, Tree, describe_loss, heartbeat_key
 from lightning_hpz.lifecycle.run_exit import PEER_LOST_EXIT_CODE
 
 
@@ -20,11 +22,34 @@ def node_of(rank: int) -> int:
     return rank // 2
 
 
-def test_a_peer_that_stops_beating_is_lost_after_the_timeout_and_named_with_its_node():
-    book = BeatBook(rank=0, world_size=4, timeout=45, started=0.0)
+@pytest.fixture(autouse=True)
+def _first_run_of_each_rank():
+    # keys are per run of a rank in its process (a second fit gets fresh ones): each test here is a first run
+    peer_watchdog._runs_started.clear()
+
+
+def _book(rank: int, world_size: int, started: float = 0.0, nodes=node_of) -> tuple[BeatBook, Tree]:
+    tree = Tree(rank, world_size, nodes)
+    return BeatBook(rank, tree.watched(), timeout=45, started=started), tree
+
+
+def test_each_rank_reads_one_key_a_leader_its_node_and_rank_0_its_node_and_the_leaders():
+    def eight_per_node(rank: int) -> int:
+        return rank // 8
+
+    assert Tree(5, 1024, eight_per_node).watched() == [0]
+    assert Tree(8, 1024, eight_per_node).watched() == [0, *range(9, 16)]
+    judge = Tree(0, 1024, eight_per_node).watched()
+    assert judge == [*range(1, 8), *range(8, 1024, 8)] and len(judge) == 7 + 127
+    assert Tree(0, 1024, eight_per_node).covered(16) == list(range(16, 24))  # a silent leader: its whole node
+
+
+def test_a_leader_that_stops_beating_is_lost_after_the_timeout_and_named_with_its_node():
+    book, tree = _book(rank=0, world_size=4)
+    assert book.watched == [1, 2]  # rank 1 on its node, rank 2 leading node 1
     for now in range(5, 200, 5):
-        book.observe({1: f"b{now}", 2: f"b{min(now, 20)}", 3: f"b{min(now, 20)}"}, now, 0.1)  # node 1 stops at 20 s
-        message = describe_loss(book, float(now), node_of, "10.0.0.1:29500", "/ckpt/step=8.ckpt")
+        book.observe({1: f"b{now}", 2: f"b{min(now, 20)}"}, now, 0.1)  # node 1 stops at 20 s
+        message = describe_loss(book, float(now), tree, "10.0.0.1:29500", "/ckpt/step=8.ckpt")
         if message:
             break
     assert now == 70  # last change at 20 s, silent for over 45 s at the first look after 65 s
@@ -33,53 +58,96 @@ def test_a_peer_that_stops_beating_is_lost_after_the_timeout_and_named_with_its_
     assert "/ckpt/step=8.ckpt" in message
 
 
+def test_a_loss_found_by_a_leader_reaches_every_rank_through_rank_0():
+    leader, leader_tree = _book(rank=2, world_size=4)
+    for now in range(5, 80, 5):
+        leader.observe({0: f"b{now}", 3: f"b{min(now, 20)}"}, float(now), 0.1)  # rank 3 dies, its node lives
+    found = peer_watchdog.what_is_lost(leader, 75.0, leader_tree, "store")
+    assert found.startswith("node 1 (ranks 3) silent")
+    judge, judge_tree = _book(rank=0, world_size=4)
+    judge.observe({1: "b", 2: Beat.format("1:host", 3.0, found)}, 80.0, 0.1)
+    relayed = peer_watchdog.what_is_lost(judge, 80.0, judge_tree, "store")
+    assert relayed == f"{found} (found by rank 2)"
+    other, other_tree = _book(rank=1, world_size=4)
+    other.observe({0: Beat.format("0:host", 5.0, relayed)}, 85.0, 0.1)
+    assert f"rank 1 (node 0) ends the run with exit code {PEER_LOST_EXIT_CODE}: {relayed}" in describe_loss(
+        other, 85.0, other_tree, "store", None
+    )
+
+
 def test_a_slow_peer_that_keeps_beating_is_never_lost():
-    book = BeatBook(rank=1, world_size=2, timeout=45, started=0.0)
+    book, tree = _book(rank=1, world_size=2)
     for now in range(30, 3000, 30):  # a beat seen only every 30 s (slow link, long step): still alive
         book.observe({0: f"beat {now}"}, float(now), round_trip=25.0)
-        assert describe_loss(book, now + 14.0, node_of, "store", None) is None
+        assert describe_loss(book, now + 14.0, tree, "store", None) is None
     assert book.slowest_round_trip == 25.0
 
 
+def test_a_store_stall_shorter_than_the_timeout_kills_nothing():
+    book, tree = _book(rank=0, world_size=2)
+    for now in (5.0, 10.0):
+        book.observe({1: f"b{now}"}, now, 0.1)
+    # the store answers nobody for 44 s: the peer's beats cannot land either; it beats again a beat after it is back
+    book.observe({1: "b10.0"}, 54.0, 0.1)
+    book.observe({1: "b10.0"}, 59.0, 0.1)
+    assert describe_loss(book, 59.0, tree, "store", None) is None
+    book.observe({1: "b60"}, 64.0, 0.1)
+    assert describe_loss(book, 64.0, tree, "store", None) is None
+
+
 def test_a_rank_that_left_cleanly_is_not_missed():
-    book = BeatBook(rank=0, world_size=2, timeout=45, started=0.0)
-    book.observe({1: LEFT}, 5.0, 0.1)
-    book.observe({1: LEFT}, 490.0, 0.1)  # the store still answers; the peer's key still says it left
-    assert describe_loss(book, 500.0, node_of, "store", None) is None
+    book, tree = _book(rank=0, world_size=2)
+    for now in range(5, 500, 5):  # the store still answers; the peer's key still says it left
+        book.observe({1: LEFT}, float(now), 0.1)
+    assert describe_loss(book, 500.0, tree, "store", None) is None
 
 
 def test_a_peer_that_never_beats_is_lost_after_the_timeout_from_start():
-    book = BeatBook(rank=0, world_size=2, timeout=45, started=100.0)
-    book.observe({1: None}, 140.0, 0.1)
-    assert describe_loss(book, 144.0, node_of, "store", None) is None
+    book, tree = _book(rank=0, world_size=2, started=100.0)
+    for now in range(105, 145, 5):
+        book.observe({1: None}, float(now), 0.1)
+    assert describe_loss(book, 144.0, tree, "store", None) is None
     book.observe({1: None}, 146.0, 0.1)
-    assert "node 0 (ranks 1)" in describe_loss(book, 146.0, node_of, "store", None)
+    assert "node 0 (ranks 1)" in describe_loss(book, 146.0, tree, "store", None)
 
 
 def test_an_unreachable_store_names_rank_0s_node_and_the_address():
-    book = BeatBook(rank=2, world_size=4, timeout=45, started=0.0)
-    book.observe({0: "a", 1: "a", 3: "a"}, 10.0, 0.1)
-    message = describe_loss(book, 56.0, node_of, "10.77.0.1:29500", None)
+    book, tree = _book(rank=2, world_size=4)
+    book.observe({0: "a", 3: "a"}, 10.0, 0.1)
+    message = describe_loss(book, 56.0, tree, "10.77.0.1:29500", None)
     assert "rendezvous store at 10.77.0.1:29500" in message and "rank 0's node, node 0" in message
     assert "no checkpoint committed" in message
 
 
 def test_this_processs_own_stall_is_excused():
-    book = BeatBook(rank=0, world_size=2, timeout=45, started=0.0)
+    book, tree = _book(rank=0, world_size=2)
     book.observe({1: "a"}, 10.0, 0.1)
     book.excuse(60.0)  # SIGSTOP for a minute: the peer could not be heard, through no fault of its own
-    assert describe_loss(book, 75.0, node_of, "store", None) is None
+    assert describe_loss(book, 75.0, tree, "store", None) is None
 
 
 def test_steps_that_needed_every_peer_count_as_their_beats():
     # a slow link full of collectives can starve the beats' connection (seen once in CI at 2 Mbit/s) while training
     # goes on: each completed step proves every peer and the link alive
-    book = BeatBook(rank=1, world_size=2, timeout=45, started=0.0)
+    book, tree = _book(rank=1, world_size=2)
     book.observe({0: "a"}, 5.0, 0.1)  # then neither the store nor the peer is heard again
     for step_done in (20.0, 40.0, 60.0):
         book.credit_progress(step_done)
-        assert describe_loss(book, step_done + 30.0, node_of, "store", None) is None
-    assert "rendezvous store" in describe_loss(book, 106.0, node_of, "store", None)  # steps stopped at 60 s
+        assert describe_loss(book, step_done + 30.0, tree, "store", None) is None
+    assert "rendezvous store" in describe_loss(book, 106.0, tree, "store", None)  # steps stopped at 60 s
+
+
+def test_keys_vouch_for_the_ranks_below_them_only():
+    judge, _ = _book(rank=0, world_size=4)  # watches rank 1 (its node) and rank 2 (node 1's leader)
+    judge.observe({1: "1 0 0:h", 2: "1 0 1:h"}, 5.0, 0.1)
+    judge.observe({1: "1 0 0:h", 2: "2 4 1:h"}, 10.0, 0.1)  # rank 2 wrote after 5 s that rank 3 beat 4 s before
+    assert not judge.all_beat_since(0.5) and judge.vouched_since(10.0) == 10.0  # rank 1: nothing new since 0 s
+    judge.observe({1: "2 0 0:h", 2: "3 4 1:h"}, 15.0, 0.1)
+    assert judge.all_beat_since(5.5) and not judge.all_beat_since(6.5)  # rank 3 beat after 10 - 4 s
+    assert judge.vouched_since(15.0) == 9.0
+    leader, _ = _book(rank=2, world_size=4)
+    leader.observe({0: "1 99 0:h", 3: "1 0 1:h"}, 5.0, 0.1)
+    assert leader.vouched_since(5.0) == 5.0  # rank 3 only: rank 0's 99 s are not this key's to vouch for
 
 
 @pytest.mark.parametrize(("timeout", "interval"), [(10, 5), (45, 0)])
@@ -106,6 +174,11 @@ class FakeStore:
     def set(self, key, value) -> None:
         self._raise_if_unreachable()
         self.data[key] = value.encode()
+
+    def add(self, key, amount) -> int:
+        self._raise_if_unreachable()
+        self.data[key] = str(int(self.data.get(key, b"0")) + amount).encode()
+        return int(self.data[key])
 
     def check(self, keys) -> bool:
         self._raise_if_unreachable()

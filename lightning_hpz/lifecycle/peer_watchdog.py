@@ -4,47 +4,54 @@ Without this, the ranks that survive a node's loss (power, kernel panic, every r
 link wait in their collective until the process-group timeout, 30 minutes by default; under NCCL even a failing
 rank's abort does not wake the ranks of other nodes. Design, with the reasons:
 
-- **Heartbeats through the job's rendezvous store.** Every rank starts two daemon threads at set-up. The *beat*
-  thread writes ``lightning_hpz/heartbeat/<rank>`` every ``interval`` seconds (a fresh value each time) and reads
-  every peer's key in one ``multi_get``; the *judge* thread compares, on this machine's monotonic clock, when each
-  peer's value last changed (no clock is compared across machines). The store is the one the default process group
-  was built on (Lightning's ``MASTER_ADDR:MASTER_PORT`` TCPStore, or torchrun's): it exists in every launch, needs no
-  port or group of its own, and carries no bulk traffic. A gloo side group with a short timeout would instead need
-  a collective every rank joins in step, which a rank blocked in a long NCCL kernel cannot do. Every rank watches for
-  itself: one rank's exit would not end the others (a node's rank 0 does not own its node's ranks under torchrun).
-  Cost per interval and rank: one ``set`` and one ``multi_get`` of ``world_size`` keys (a few bytes each).
-- **Store calls never block the decision.** The beat thread talks to the store over a connection of its own
-  (``store.clone()``, timeout ``interval * 2`` at most 15 s), so the training thread's store calls keep their own
-  timeout; a call that hangs on a dead link only delays that thread. The judge never touches the network: when no
-  store call has succeeded for ``timeout`` seconds, the store itself is unreachable. The store is served from rank 0's
-  node, so that is how rank 0's node's loss, or a cut link seen from the other nodes, shows: the message names the
-  store's address and rank 0's node.
+- **Heartbeats through the job's rendezvous store, read along a tree.** Every rank writes its own key
+  ``lightning_hpz/heartbeat/<run>/<rank>`` every ``interval`` seconds and reads, in one ``multi_get``, only the keys
+  it watches: a rank reads rank 0's key; a node's leader (its lowest rank) also reads its own node's ranks; rank 0
+  (the *judge*) reads its node's ranks and the other nodes' leaders. Each key carries how long ago, at most, every
+  rank its writer watches last beat, so rank 0's key vouches for the whole job and a leader's for its node. Cost per
+  interval: two requests per rank (a ``set`` and a ``multi_get``); one key read per rank, ``devices per node`` per
+  leader and ``nodes + devices per node`` at rank 0, so the store serves ``2N`` requests and about ``2N + M`` key
+  reads per interval for ``N`` ranks on ``M`` nodes (``docs/scale.md``). No rank reads every key on a schedule.
+- **A loss travels up, the verdict down.** A leader that finds one of its node's ranks silent writes ``lost`` with
+  the names into its key; rank 0 finds a leader silent (the node is gone or cut off) or reporting a loss, and writes
+  the verdict into its own key, which every rank reads. Rank 0 and the leaders keep their key up for two more
+  intervals before they exit, so the verdict reaches every rank; a rank that finds rank 0 silent (or the store
+  unreachable) ends at once.
+- **The store is the one the default process group was built on** (Lightning's ``MASTER_ADDR:MASTER_PORT`` TCPStore,
+  or torchrun's): it exists in every launch, needs no port or group of its own, and carries no bulk traffic. A gloo
+  side group with a short timeout would instead need a collective every rank joins in step, which a rank blocked in a
+  long NCCL kernel cannot do.
+- **Store calls never block the decision.** The beat thread talks to the store over a connection of its own (calls
+  time out after ``interval * 2``, at most 15 s; connecting, after ``peer_timeout``), so the training thread's store
+  calls keep their own timeout; a call that hangs on a dead link only delays that thread. The judge thread never
+  touches the network: when no store call has succeeded for ``timeout`` seconds, the store itself is unreachable. The
+  store is served from rank 0's node, so that is how rank 0's node's loss, or a cut link seen from the other nodes,
+  shows: the message names the store's address and rank 0's node.
 - **Lost after ``timeout`` seconds of silence, default 45 s.** Measured on the two-node testbed (README "Lost nodes
-  and cut links"): with the link slowed 100-fold (200 -> 2 Mbit/s) and full of ZeRO-3 all-gathers (a step took 7.5 s
-  instead of 0.5 s), the slowest heartbeat round trip was 0.96 s and 1.13 s in two runs (0.05 s from the store's
-  own node). 45 s leaves a margin of over 35 times that for links and loads worse than the testbed's, and still
-  exits within the 60 s goal: detection takes at most ``timeout + interval`` seconds after the last beat heard
-  (42-49 s measured), the exit follows at once.
+  and cut links"): with the link slowed 100-fold (200 -> 2 Mbit/s) and full of ZeRO-3 all-gathers, the slowest
+  heartbeat round trip stayed near one second. Silence is counted only while the store answers: a store that stalls
+  for less than ``timeout`` (a busy rank 0, a brief network hiccup) delays everyone's beats alike and kills nothing.
   A peer that keeps beating is never declared lost, however slow its steps: the beats run beside training, so a
   long checkpoint save, the first step's compilation, or a slow link does not stop them (``torch.save`` releases the
-  GIL: a 0.8 GB save left a Python thread's longest pause at 76 ms, measured here). When this process itself was
-  stopped (a judge tick late by over ``timeout / 3``, e.g. SIGSTOP, swap), peers get a fresh ``timeout``.
-- **A rank that ends cleanly says so.** At teardown (and at interpreter exit, for a Fabric script that never calls
-  teardown) a rank writes ``left`` into its key: a peer that finishes its run later does not take it for lost. Rank
-  0, whose process serves the store under Lightning's launchers, then waits until every live peer has left, so that a
-  slower peer does not take the store's disappearance for a lost node.
+  GIL). When this process itself was stopped (a judge tick late by over ``timeout / 3``, e.g. SIGSTOP, swap), peers
+  get a fresh ``timeout``.
+- **A rank that ends cleanly says so.** At teardown, at interpreter exit, or when the process group it was started
+  with is destroyed (a Fabric script or LitGPT never calls teardown), a rank writes ``left`` into its key and counts
+  itself in ``<run>/left``: a peer that finishes later does not take it for lost. Rank 0, whose process serves the
+  store under Lightning's launchers, then waits until every live peer has left (it reads that one counter, and the
+  peers' keys once an interval), so that a slower peer does not take the store's disappearance for a lost node.
+  The threads are daemons with a ``stop`` method: no package thread outlives the script or the process group.
 - **The exit is ``os._exit(76)``, from the judge thread.** A rank blocked inside a collective cannot be unblocked
   otherwise, and no collective may run on the way out (it would block the same way). 76 is sysexits' ``EX_PROTOCOL``
   ("remote error"): distinct from 0, 3, 4, 75 and a crash's 1 or signal codes. Before exiting the rank prints which
   ranks are silent on which node, or that the store is unreachable, and the last checkpoint committed by this run.
-  A save in flight at that moment is abandoned in its staging folder: the commit is atomic
-  (``checkpointing/commit.py``), so the previous committed checkpoint stays the newest and intact.
-
+  A save in flight at that moment is abandoned in its staging folder: the commit is atomic, so the previous committed
+  checkpoint stays the newest and intact.
 - **A failed collective is explained before it is handled.** When a Trainer rank's collective raises (gloo's
-  "Connection closed by peer" when a node's ranks were killed and its kernel closed their connections), the strategy
-  first waits until every peer beats again (:meth:`PeerWatchdog.confirm_peers_alive`, about two intervals for live
-  peers) and only then runs the usual failure handling (``rank_failure.py``); peers that stay silent end the run
-  with 76 and their names instead of a traceback about a socket.
+  "Connection closed by peer" when a node's ranks were killed), the strategy first waits until the keys it watches
+  vouch that every rank beat since the failure (:meth:`PeerWatchdog.confirm_peers_alive`, about three intervals for
+  live peers) and only then runs the usual failure handling (``rank_failure.py``); peers that stay silent end the
+  run with 76 and their names instead of a traceback about a socket.
 
 Not covered: a rank that hangs while its process keeps beating (a deadlock inside one node) is alive by this test;
 the process-group timeout still ends that.
@@ -72,11 +79,18 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 45.0
 DEFAULT_INTERVAL_S = 5.0
 LEFT = "left"  # the value of a rank's key once it ended its run cleanly
+_LOST = "lost"  # marks a key whose writer found ranks it watches silent; the description follows
 _MAX_CALL_TIMEOUT_S = 15.0
+_PREFIX = "lightning_hpz/heartbeat"
+_runs_started: dict[int, int] = {}  # per rank: watchdogs started in this process (each run gets fresh keys)
 
 
-def heartbeat_key(rank: int) -> str:
-    return f"lightning_hpz/heartbeat/{rank}"
+def heartbeat_key(rank: int, run: int = 0) -> str:
+    return f"{_PREFIX}/{run}/{rank}"
+
+
+def left_count_key(run: int = 0) -> str:
+    return f"{_PREFIX}/{run}/left"
 
 
 def check_settings(timeout: Optional[float], interval: float) -> None:
@@ -92,51 +106,115 @@ def check_settings(timeout: Optional[float], interval: float) -> None:
         )
 
 
+class Tree:
+    """Whose key each rank reads: rank 0 judges the node leaders, a leader its node, every rank reads rank 0."""
+
+    def __init__(self, rank: int, world_size: int, node_of: Callable[[int], int]) -> None:
+        self.rank, self.world_size, self.node_of = rank, world_size, node_of
+        self.nodes: dict[int, list[int]] = {}  # one pass over the ranks, at start only
+        for peer in range(world_size):
+            self.nodes.setdefault(node_of(peer), []).append(peer)
+        self.node = node_of(rank)
+        self.is_leader = rank == self.nodes[self.node][0]
+
+    def watched(self) -> list[int]:
+        """The ranks whose keys this rank reads each interval: O(1) for most ranks, O(devices per node) for a
+        leader, O(nodes + devices per node) for rank 0."""
+        own = [peer for peer in self.nodes[self.node] if peer != self.rank] if self.is_leader else []
+        if self.rank != 0:
+            return sorted({0, *own})
+        return own + sorted(ranks[0] for node, ranks in self.nodes.items() if node != self.node)
+
+    def covered(self, watched: int) -> list[int]:
+        """The ranks a silent watched key stands for: a node leader's silence, seen by rank 0, is its node's."""
+        node = self.node_of(watched)
+        return self.nodes[node] if self.rank == 0 and node != self.node else [watched]
+
+
+@dataclass
+class Beat:
+    """One value of a heartbeat key: a fresh stamp, how long ago at most every rank its writer watches beat, and the
+    loss its writer found (or ``left``)."""
+
+    vouched: float = 0.0
+    lost: Optional[str] = None
+    left: bool = False
+
+    @staticmethod
+    def parse(value: Optional[str]) -> Optional[Beat]:
+        if value is None:
+            return None
+        if value == LEFT:
+            return Beat(left=True)
+        parts = value.split(" ", 4)
+        lost = parts[4] if len(parts) == 5 and parts[3] == _LOST else None
+        try:
+            return Beat(vouched=float(parts[1]), lost=lost)
+        except (IndexError, ValueError):
+            return Beat()
+
+    @staticmethod
+    def format(identity: str, vouched: float, lost: Optional[str]) -> str:
+        text = f"{time.monotonic_ns()} {vouched:.3f} {identity}"
+        return f"{text} {_LOST} {lost}" if lost else text
+
+
 @dataclass
 class BeatBook:
-    """What the judge knows: when each peer's heartbeat last changed and when the store last answered (pure logic,
+    """What the judge thread knows: when each watched key last changed and when the store last answered (pure logic,
     every time passed in, so that it is tested without threads or a store)."""
 
     rank: int
-    world_size: int
+    watched: list[int]
     timeout: float
     started: float
+    interval: float = DEFAULT_INTERVAL_S
     last_change: dict[int, float] = field(default_factory=dict)
     values: dict[int, Optional[str]] = field(default_factory=dict)
     left: set[int] = field(default_factory=set)
-    changes: dict[int, int] = field(default_factory=dict)  # how many times each peer's value was seen to change
+    reported: dict[int, str] = field(default_factory=dict)  # losses found by the writers of watched keys
+    written_after: dict[int, float] = field(default_factory=dict)  # the current value was written after this time
+    vouched: dict[int, float] = field(default_factory=dict)
+    last_read: dict[int, float] = field(default_factory=dict)
     last_store_answer: float = 0.0
     slowest_round_trip: float = 0.0
 
     def __post_init__(self) -> None:
         self.last_store_answer = self.started
-        for peer in self.peers:
-            self.last_change[peer] = self.started
+        for peer in self.watched:
+            self.last_change[peer] = self.last_read[peer] = self.started
             self.values[peer] = None
-            self.changes[peer] = 0
-
-    @property
-    def peers(self) -> list[int]:
-        return [peer for peer in range(self.world_size) if peer != self.rank]
 
     def observe(self, values: dict[int, Optional[str]], now: float, round_trip: float) -> None:
-        """Record one successful read of the peers' keys (``None``: a peer's key does not exist yet)."""
+        """Record one successful read of the watched keys (``None``: a key does not exist yet)."""
+        stalled = now - self.last_store_answer - round_trip
+        if stalled > 2 * self.interval:
+            # the store did not answer anyone meanwhile: a writer's silence counts only while the store answers
+            self._shift_changes(stalled - self.interval)
         self.last_store_answer = now
         self.slowest_round_trip = max(self.slowest_round_trip, round_trip)
         for peer, value in values.items():
-            if value == LEFT:
-                self.left.add(peer)
-            elif value is not None:
-                self.left.discard(peer)  # a new run in the same processes beats again
+            beat = Beat.parse(value)
             if value != self.values.get(peer):
                 self.values[peer] = value
                 self.last_change[peer] = now
-                self.changes[peer] = self.changes.get(peer, 0) + 1
+                self.written_after[peer] = self.last_read.get(peer, self.started)
+                self.vouched[peer] = beat.vouched if beat is not None else 0.0
+            self.last_read[peer] = now
+            if beat is not None and beat.left:
+                self.left.add(peer)
+            elif beat is not None:
+                self.left.discard(peer)
+            if beat is not None and beat.lost:
+                self.reported[peer] = beat.lost
+
+    def _shift_changes(self, seconds: float) -> None:
+        for peer in self.last_change:
+            self.last_change[peer] += seconds
 
     def excuse(self, stalled: float) -> None:
         """This process itself was stopped for ``stalled`` seconds: nobody else is to blame for that time."""
-        for peer in self.last_change:
-            self.last_change[peer] += stalled
+        self._shift_changes(stalled)
         self.last_store_answer += stalled
 
     def credit_progress(self, at: Optional[float]) -> None:
@@ -153,7 +231,7 @@ class BeatBook:
         return now - self.last_store_answer
 
     def silent_peers(self) -> dict[int, float]:
-        """Peers whose key was read unchanged for longer than the timeout, with the seconds of silence.
+        """Watched keys read unchanged for longer than the timeout, with the seconds of silence.
 
         Counted up to the last read only: while the store does not answer, nobody's silence can be observed (the
         store's own silence decides then), so a cut link is reported as the store's, not as every peer's.
@@ -164,38 +242,68 @@ class BeatBook:
             if peer not in self.left and self.last_store_answer - changed > self.timeout
         }
 
+    def vouched_since(self, now: float) -> float:
+        """Seconds since which, at most, every rank under this rank's watch beat (what this rank's key vouches)."""
+        oldest = now
+        for peer in self.watched:
+            if peer != 0 and peer not in self.left:  # rank 0's key is read from below: it vouches for nobody here
+                oldest = min(oldest, self.written_after.get(peer, self.started) - self.vouched.get(peer, 0.0))
+        return max(0.0, now - oldest)
 
-def describe_loss(
-    book: BeatBook, now: float, node_of: Callable[[int], int], store_address: str, checkpoint: Optional[str]
-) -> Optional[str]:
-    """The message to exit with, or ``None`` while every peer is beating and the store answers."""
+    def all_beat_since(self, moment: float) -> bool:
+        """Whether the watched keys vouch that every rank under them beat after ``moment`` (or left)."""
+        return all(
+            peer in self.left or self.written_after.get(peer, self.started) - self.vouched.get(peer, 0.0) > moment
+            for peer in self.watched
+        )
+
+
+def what_is_lost(book: BeatBook, now: float, tree: Tree, store_address: str) -> Optional[str]:
+    """What is gone, in words, or ``None`` while every watched key is fresh, reports no loss, and the store answers."""
     if book.store_silent_for(now) > book.timeout:
-        lost = (
-            f"the rendezvous store at {store_address} (served from rank 0's node, node {node_of(0)}) has not "
+        return (
+            f"the rendezvous store at {store_address} (served from rank 0's node, node {tree.node_of(0)}) has not "
             f"answered for {book.store_silent_for(now):.0f} s: rank 0's node is lost or the link to it is cut"
         )
-    else:
-        silent = book.silent_peers()
-        if not silent:
-            return None
-        by_node: dict[int, list[int]] = {}
-        for peer in sorted(silent):
-            by_node.setdefault(node_of(peer), []).append(peer)
-        lost = "; ".join(
-            f"node {node} (ranks {', '.join(map(str, ranks))}) silent for {max(silent[r] for r in ranks):.0f} s"
-            for node, ranks in sorted(by_node.items())
-        )
-        lost += ": lost, or the link to it is cut"
+    if book.reported:
+        peer, found = min(book.reported.items())
+        return found if peer == 0 else f"{found} (found by rank {peer})"
+    return _silence(book.silent_peers(), tree)
+
+
+def loss_message(rank: int, node: int, lost: str, timeout: float, checkpoint: Optional[str]) -> str:
     saved = (
         f"the last checkpoint this run committed is {checkpoint}: resume from it once every node is back"
         if checkpoint
         else "no checkpoint committed by this run"
     )
     return (
-        f"lightning_hpz: rank {book.rank} (node {node_of(book.rank)}) ends the run with exit code "
-        f"{PEER_LOST_EXIT_CODE}: {lost} (no heartbeat within peer_timeout={book.timeout:g} s). Not waiting for the "
-        f"process-group timeout; {saved}."
+        f"lightning_hpz: rank {rank} (node {node}) ends the run with exit code {PEER_LOST_EXIT_CODE}: {lost} (no "
+        f"heartbeat within peer_timeout={timeout:g} s). Not waiting for the process-group timeout; {saved}."
     )
+
+
+def describe_loss(
+    book: BeatBook, now: float, tree: Tree, store_address: str, checkpoint: Optional[str]
+) -> Optional[str]:
+    """The message to exit with, or ``None`` while nothing is lost."""
+    lost = what_is_lost(book, now, tree, store_address)
+    return None if lost is None else loss_message(book.rank, tree.node, lost, book.timeout, checkpoint)
+
+
+def _silence(silent: dict[int, float], tree: Tree) -> Optional[str]:
+    """Silent nodes and their ranks with the seconds of silence, or None if nobody is silent."""
+    if not silent:
+        return None
+    by_node: dict[int, dict[int, float]] = {}
+    for peer in sorted(silent):
+        for rank in tree.covered(peer):
+            by_node.setdefault(tree.node_of(rank), {})[rank] = silent[peer]
+    described = "; ".join(
+        f"node {node} (ranks {', '.join(map(str, ranks))}) silent for {max(ranks.values()):.0f} s"
+        for node, ranks in sorted(by_node.items())
+    )
+    return described + ": lost, or the link to it is cut"
 
 
 def exit_lost(message: str) -> None:
@@ -219,18 +327,47 @@ def store_address(store: Any) -> str:
     return f"{host}:{port}" if host is not None else type(store).__name__
 
 
+def connect(store: Any, connect_timeout: float, call_timeout: float) -> Any:
+    """A connection of its own to ``store``'s server whose calls give up after ``call_timeout`` seconds. Connecting
+    may take up to ``connect_timeout`` (a handshake queued behind a saturated link takes several round trips; a
+    ``clone`` would wait the store's own timeout, 30 minutes by default, for a server that may be gone)."""
+    from torch.distributed import TCPStore
+
+    base = store
+    while hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    if isinstance(base, TCPStore):
+        patience = datetime.timedelta(seconds=connect_timeout)
+        client = TCPStore(base.host, base.port, is_master=False, timeout=patience, wait_for_workers=False)
+    else:
+        client = store.clone()
+    client.set_timeout(datetime.timedelta(seconds=call_timeout))
+    return client
+
+
+class _WatchdogThread(threading.Thread):
+    """A daemon thread of the watchdog that stops it on request: test harnesses that stop a finished test's daemon
+    threads through their ``stop`` (Lightning's own) end the watchdog cleanly, peers told it left."""
+
+    def __init__(self, watchdog: PeerWatchdog, target: Callable[[], None], name: str) -> None:
+        super().__init__(target=target, name=name, daemon=True)
+        self.stop = watchdog.stop
+
+
 class PeerWatchdog:
     """Heartbeats of this rank through ``store``; ends the process when a peer or the store falls silent.
 
     Args:
-        store: the job's key-value store (the default process group's); a connection of its own is cloned from it.
+        store: the job's key-value store (the default process group's); the watchdog opens a connection of its own.
         rank, world_size: this rank and the number of ranks.
-        node_of: the node of a rank, for messages.
+        node_of: the node of a rank (ranks are numbered node by node), for the tree of reads and for messages.
         timeout: seconds of silence after which a peer (or the store) is lost.
         interval: seconds between beats.
         checkpoint: returns the last checkpoint this run committed (named in the message), or None.
         on_lost: called with the message; default :func:`exit_lost`. Tests pass their own.
         clock: the monotonic clock (tests pass their own).
+        still_wanted: returns False once the run is over without a teardown (the process group it watches was
+            destroyed): the watchdog then leaves quietly. Default: always wanted.
     """
 
     def __init__(
@@ -244,19 +381,30 @@ class PeerWatchdog:
         checkpoint: Callable[[], Optional[str]] = lambda: None,
         on_lost: Callable[[str], None] = exit_lost,
         clock: Callable[[], float] = time.monotonic,
+        still_wanted: Callable[[], bool] = lambda: True,
     ) -> None:
         check_settings(timeout, interval)
         self.store = store
         self.rank = rank
-        self.node_of = node_of
+        self.world_size = world_size
+        self.tree = Tree(rank, world_size, node_of)
         self.interval = interval
         self.call_timeout = min(2 * interval, _MAX_CALL_TIMEOUT_S)
+        self.relay_s = 2 * interval + self.call_timeout  # how long a found loss stays published before the exit
         self.checkpoint = checkpoint
         self.on_lost = on_lost
         self.clock = clock
+        self.still_wanted = still_wanted
         self.address = store_address(store)
-        self.book = BeatBook(rank, world_size, timeout, started=clock())
+        self.run = _runs_started.get(rank, 0)
+        self.watched = self.tree.watched()
+        self.relays = rank == 0 or self.tree.is_leader  # others learn of a loss through this rank's key
+        self.book = BeatBook(rank, self.watched, timeout, started=clock(), interval=interval)
         self.verdict: Optional[str] = None
+        self.found: Optional[str] = None  # the loss this rank publishes in its key
+        self.store_requests = 0  # store calls made by the beat thread (the scale ledger counts them)
+        self.beats = 0  # beats written and read back
+        self._keys_exist = False
         self._client: Optional[Any] = None
         self._lock = threading.Lock()  # the book is written by the beat thread and read by the judge
         self._stopping = threading.Event()
@@ -275,9 +423,10 @@ class PeerWatchdog:
         return self.book.slowest_round_trip
 
     def start(self) -> PeerWatchdog:
+        _runs_started[self.rank] = self.run + 1
         self._threads = [
-            threading.Thread(target=self._beat_loop, name="lightning-hpz-heartbeat", daemon=True),
-            threading.Thread(target=self._judge_loop, name="lightning-hpz-peer-judge", daemon=True),
+            _WatchdogThread(self, self._beat_loop, "lightning-hpz-heartbeat"),
+            _WatchdogThread(self, self._judge_loop, "lightning-hpz-peer-judge"),
         ]
         for thread in self._threads:
             thread.start()
@@ -291,8 +440,9 @@ class PeerWatchdog:
         self._stopping.set()
         atexit.unregister(self.stop)
         for thread in self._threads:
-            # the beat thread may be inside one store call: it gives up after the call's timeout
-            thread.join(timeout=self.call_timeout + 1.0)
+            if thread is not threading.current_thread():
+                # the beat thread may be inside one store call: it gives up after the call's timeout
+                thread.join(timeout=self.call_timeout + 1.0)
         self._mark_left()
         if self.rank == 0 and self.verdict is None:
             self._wait_for_peers_to_leave()
@@ -301,39 +451,46 @@ class PeerWatchdog:
         """Rank 0's process serves the store under Lightning's launchers: its exit takes the store away, and a peer
         still finishing (reaching the same error later on a loaded machine, a longer teardown) would take that for
         rank 0's node being lost and end with 76. So rank 0 waits until every peer has left, or has been silent for
-        three intervals (gone already), at most ``timeout`` seconds. Live peers leave within their teardown."""
-        deadline, last_seen, poll = self.clock() + self.book.timeout, {}, min(0.2, self.interval / 4)
-        keys = {peer: heartbeat_key(peer) for peer in self.book.peers}
+        three intervals (gone already), at most ``timeout`` seconds. It polls the count of ranks that left (one key)
+        and reads the peers' keys once an interval: O(N) key reads per interval at rank 0, at the end of a run only."""
+        deadline, poll = self.clock() + self.book.timeout, min(0.2, self.interval / 4)
+        last_seen: dict[int, tuple[Optional[str], float]] = {}
+        next_full_read = self.clock()
+        peers = [peer for peer in range(self.world_size) if peer != self.rank]
         while self.clock() < deadline:
             try:
                 client = self._connection()
-                values = {peer: _text(client.get(key)) if client.check([key]) else None for peer, key in keys.items()}
+                if int(client.add(left_count_key(self.run), 0)) >= self.world_size:  # rank 0 counted itself
+                    return
+                if self.clock() >= next_full_read:
+                    next_full_read = self.clock() + self.interval
+                    values = self._read(client, peers)
+                    now = self.clock()
+                    for peer, value in values.items():
+                        if last_seen.get(peer, (None,))[0] != value:
+                            last_seen[peer] = (value, now)
+                    gone = 3 * self.interval
+                    if all(v in (None, LEFT) or now - last_seen[p][1] > gone for p, v in values.items()):
+                        return
             except Exception:  # the store is gone already: nobody can be told anything
-                return
-            now = self.clock()
-            for peer, value in values.items():
-                if last_seen.get(peer, (None,))[0] != value:
-                    last_seen[peer] = (value, now)
-            if all(value in (None, LEFT) or now - last_seen[p][1] > 3 * self.interval for p, value in values.items()):
                 return
             time.sleep(poll)
 
     def confirm_peers_alive(self) -> bool:
-        """Wait until every peer has beaten since this call (or left): True. A peer that stays silent is declared
-        lost by the judge first (which, by default, ends the process); False only if that did not end it.
+        """Wait until the keys this rank watches vouch that every rank beat since this call (or left): True. A rank
+        that stays silent is declared lost first (which, by default, ends the process); False only if that did not
+        end it.
 
         For a rank whose collective just failed: "connection closed by peer" from gloo may mean a crashed peer,
-        which is handled as any exception, or a node that is gone, which is a lost peer. A live peer is seen to beat
-        twice within about two intervals, so an ordinary error is delayed by that much at most.
+        which is handled as any exception, or a node that is gone, which is a lost peer. Live peers are vouched for
+        within about three intervals (a beat, its leader's read, rank 0's read), so an ordinary error is delayed by
+        that much at most.
         """
-        with self._lock:
-            seen = dict(self.book.changes)
-        deadline = self.clock() + self.book.timeout + 2 * self.interval + self.call_timeout
+        called = self.clock()
+        deadline = called + self.book.timeout + 4 * self.interval + self.call_timeout + self.relay_s
         while not self._stopping.is_set() and self.clock() < deadline and self.verdict is None:
             with self._lock:
-                book = self.book
-                # two changes: the first may be a beat written before the failure and read only after it
-                if all(peer in book.left or book.changes[peer] >= seen[peer] + 2 for peer in book.peers):
+                if self.book.all_beat_since(called):
                     return True
             self._stopping.wait(min(0.2, self.interval / 4))
         return False
@@ -351,30 +508,47 @@ class PeerWatchdog:
                 answered = self.clock()
                 with self._lock:
                     self.book.observe(values, answered, answered - started)
+                self.beats += 1
             self._stopping.wait(self.interval)
 
     def _connection(self) -> Any:
         if self._client is None:
-            client = self.store.clone()  # connects with the store's timeout, then gets the short one
-            client.set_timeout(datetime.timedelta(seconds=self.call_timeout))
-            self._client = client
+            self._client = connect(self.store, self.book.timeout, self.call_timeout)
         return self._client
 
     def _beat_and_read(self) -> dict[int, Optional[str]]:
+        """One ``set`` of this rank's key and one ``multi_get`` of the watched keys (a ``check`` before it until
+        every watched key exists: a ``multi_get`` of a missing key would wait for it)."""
         client = self._connection()
-        client.set(heartbeat_key(self.rank), f"{time.monotonic_ns()} {self._identity}")
-        peers = self.book.peers
-        keys = [heartbeat_key(peer) for peer in peers]
-        if client.check(keys):
-            return {peer: _text(value) for peer, value in zip(peers, client.multi_get(keys), strict=True)}
-        # before every peer has beaten once (set-up): read those that exist, one by one
-        return {peer: _text(client.get(key)) if client.check([key]) else None for peer, key in zip(peers, keys)}  # noqa: B905
+        with self._lock:
+            vouched = self.book.vouched_since(self.clock())
+        client.set(heartbeat_key(self.rank, self.run), Beat.format(self._identity, vouched, self.found))
+        self.store_requests += 1
+        values = self._read(client, self.watched, self._keys_exist)
+        self._keys_exist = all(value is not None for value in values.values())
+        return values
+
+    def _read(self, client: Any, ranks: list[int], all_exist: bool = False) -> dict[int, Optional[str]]:
+        """The keys of ``ranks``: one ``multi_get``, after a ``check`` unless they are known to exist (a
+        ``multi_get`` of a missing key would wait for it)."""
+        keys = [heartbeat_key(rank, self.run) for rank in ranks]
+        if not keys:
+            return {}
+        if not all_exist:
+            self.store_requests += 1
+            if not client.check(keys):  # set-up: read those that exist, one by one, until every rank has beaten
+                self.store_requests += 2 * len(keys)
+                return {rank: _text(client.get(key)) if client.check([key]) else None for rank, key in zip(ranks, keys)}  # noqa: B905
+        self.store_requests += 1
+        return {rank: _text(value) for rank, value in zip(ranks, client.multi_get(keys), strict=True)}
 
     def _mark_left(self) -> None:
-        if any(thread.is_alive() for thread in self._threads):
+        if any(thread.is_alive() for thread in self._threads if thread is not threading.current_thread()):
             return  # the beat thread is stuck in a call on the connection: the store is unreachable anyway
         try:
-            self._connection().set(heartbeat_key(self.rank), LEFT)
+            client = self._connection()
+            client.set(heartbeat_key(self.rank, self.run), LEFT)
+            client.add(left_count_key(self.run), 1)
         except Exception as err:  # the store is gone: peers will find out themselves
             log.debug("rank %d could not mark that it left: %s", self.rank, err)
         self._client = None
@@ -384,6 +558,9 @@ class PeerWatchdog:
         tick = min(1.0, self.interval / 2)
         previous = self.clock()
         while not self._stopping.wait(tick):
+            if not self.still_wanted():
+                self.stop()  # the process group this run used is gone (a script that never called teardown)
+                return
             now = self.clock()
             if self._judge(now, late_by=now - previous - tick):
                 return
@@ -395,11 +572,19 @@ class PeerWatchdog:
             if late_by > self.book.timeout / 3:
                 self.book.excuse(late_by)
             self.book.credit_progress(self._last_progress)
-            verdict = describe_loss(self.book, now, self.node_of, self.address, self.checkpoint())
-        if verdict is None or self._stopping.is_set():
+            lost = what_is_lost(self.book, now, self.tree, self.address)
+            # a loss rank 0 announced reached every rank already; with the store silent, nobody can be told
+            tell_others = self.relays and 0 not in self.book.reported
+            tell_others = tell_others and self.book.store_silent_for(now) <= self.book.timeout
+        if lost is None or self._stopping.is_set():
             return False
-        self.verdict = verdict
-        self.on_lost(verdict)
+        if tell_others:
+            # rank 0 and node leaders carry a loss to the ranks that read them: their key says so for two more beats
+            # before they exit (those readers are blocked in collectives: nothing else would tell them)
+            self.found = lost
+            self._stopping.wait(self.relay_s)
+        self.verdict = loss_message(self.rank, self.tree.node, lost, self.book.timeout, self.checkpoint())
+        self.on_lost(self.verdict)
         return True
 
 

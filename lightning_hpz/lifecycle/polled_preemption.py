@@ -4,7 +4,8 @@ Fabric 2.6 installs no SIGTERM/SIGUSR1 handler: the default action ends the sign
 wait in their next collective (a ZeRO-3 all-gather) until the process-group timeout. ``HpzFabricStrategy`` records
 the signals from ``setup_environment`` to ``teardown`` instead; the loop calls ``fabric.strategy.
 preemption_requested()`` on every rank at the same point (after ``optimizer.step()``, say), which is one all-reduce
-of the flags on a host-side gloo group: every rank gets the same answer, nobody is left waiting.
+of the flags on the default process group: every rank gets the same answer, nobody is left waiting. Under NCCL that
+one number waits for the step's queued GPU work (as reading the loss does); no side group, no extra connection.
 
 A loop that never asks would otherwise never hear the signal: until the first ``preemption_requested()`` call, a
 signal does what it did before set-up (ends the process, or runs the handler that was there).
@@ -29,9 +30,8 @@ class PolledPreemption(PreemptionSignals):
     def requested(self) -> bool:
         """Whether any rank was signalled. A collective: call it on every rank at the same point of the loop."""
         self.polled = True
-        group = collectives.control_group() if collectives.is_distributed() else None
         flag = float(self.received is not None)
-        return bool(collectives.all_reduce_values([flag], op="max", group=group)[0])
+        return bool(collectives.all_reduce_values([flag], op="max")[0])
 
     def _record(self, signum: int, frame: Any) -> None:
         super()._record(signum, frame)

@@ -30,8 +30,9 @@ _HPC_CHECKPOINT = re.compile(r"^hpc_ckpt_(\d+)\.ckpt$")
 class PreemptionCheckpoint(Callback):
     """Turn a preemption signal into a committed checkpoint and exit code 75, or, with nothing to save, exit 143.
 
-    The signal handler only records the signal. The ranks agree on it with ordinary all-reduces of that flag, on a
-    host-side gloo group, at points every rank reaches in the same order:
+    The signal handler only records the signal. The ranks agree on it with ordinary all-reduces of that flag, on the
+    default process group (no side group: a world-wide one would be a full mesh of connections), at points every rank
+    reaches in the same order:
 
     - after every optimizer step: each rank starts the reduction and reads the one it started a step earlier
       (:class:`~lightning_hpz.collectives.PendingReduction`), so no step waits for the GPU;
@@ -133,7 +134,7 @@ class PreemptionCheckpoint(Callback):
     # ------------------------------------------------------------------------------------------------ evaluation
     # Every evaluation loop (the sanity check and validation inside fit included) agrees once when it starts and
     # then after every batch. A batch-end reduction is started at batch k and read at batch k+1, like the training
-    # one: on gloo in host memory it overlaps the next batch, so an evaluation batch does not wait on it (a
+    # one: it overlaps the next batch, so an evaluation batch does not wait on it (a
     # synchronous all-reduce per batch would add one network round trip to every batch). The decision lands one
     # batch after the signal, at the same batch on every rank; the loop's end reads the last one.
     @override
@@ -196,8 +197,6 @@ class PreemptionCheckpoint(Callback):
         return collectives.PendingReduction([float(self.preemption.received is not None)], op="max")
 
     def _agree_now(self, trainer: Trainer) -> None:
-        if collectives.is_distributed():
-            collectives.control_group()  # built now, on every rank in the same order, before the loop's collectives
         if self._start_agreement().result()[0]:
             self._stop(trainer)
 

@@ -101,6 +101,7 @@ class DeepSpeedEnvironment:
             timeout=self.peer_timeout,
             interval=self.heartbeat_interval,
             checkpoint=lambda: self.committed_checkpoint,
+            still_wanted=collectives.default_group_still_current(),  # Fabric and LitGPT never call teardown
         ).start()
 
     def _note_progress(self) -> None:

@@ -315,7 +315,7 @@ class HpzFabricStrategy(HpzSetup, FabricDeepSpeedHooks):
     def preemption_requested(self) -> bool:
         """Whether SIGTERM or SIGUSR1 reached any rank since set-up, the same answer on every rank.
 
-        One all-reduce of a flag on a host-side gloo group: call it on every rank at the same point of the loop
+        One all-reduce of a flag on the default process group: call it on every rank at the same point of the loop
         (after ``optimizer.step()``), then save and leave together: ``fabric.save(path, state)``, then
         ``raise TrainingPreempted(message, fabric, path)`` (exit 75), or ``raise PreemptedWithoutCheckpoint(message,
         fabric)`` (exit 143) with nothing to save (both in ``lightning_hpz.lifecycle.run_exit``). Until a loop first

@@ -4,8 +4,9 @@ Run as ``python host_syncs.py '<json options>'``. What would stall a GPU pipelin
 code asks for it: a value read from a tensor (``item``, ``tolist``, ``bool``/``int``/``float``), and every collective
 of :mod:`lightning_hpz.collectives` that hands a result to the host (``all_reduce_values``, the gathers, the object
 broadcast). ``collectives.all_reduce`` is not counted: it returns a device tensor, and under NCCL it is queued on the
-stream without the host waiting; whoever reads its result is counted by the read. The host-side control channel
-(``collectives.PendingReduction``, gloo over host memory) never waits for the GPU and is not counted. A sync is the
+stream without the host waiting; whoever reads its result is counted by the read. The preemption flags
+(``collectives.PendingReduction``, read a step after they were reduced) wait for no GPU work of the running step and
+are not counted. A sync is the
 package's when the innermost frame outside torch that asked for it is in lightning_hpz.
 Each rank writes ``rank<r>.json``: per training batch, the syncs and the optimizer steps done after it.
 """
