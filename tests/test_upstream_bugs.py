@@ -124,3 +124,14 @@ def test_the_strategy_refuses_qwz_on_bf16_as_it_is_built():
     strategy.num_nodes = 2
     with mock.patch("importlib.metadata.version", return_value="0.18.9"), pytest.raises(HpzConfigurationError):
         strategy._resolve_layout()
+
+
+def test_fabric_accumulation_names_the_release_where_deepspeed_lacks_it(monkeypatch):
+    # LitGPT's loops accumulate under `fabric.no_backward_sync`; DeepSpeed lets the loop own that boundary from 0.19.4
+    from lightning_hpz.partitioning import loop_owned_accumulation
+    from lightning_hpz.strategy.accumulate_until_step import ACCUMULATE_UNTIL_STEP
+
+    monkeypatch.setattr(loop_owned_accumulation, "loop_owned_accumulation_available", lambda: False)
+    with pytest.raises(ValueError, match=r'from 0.19.4 on.*pip install "deepspeed>=0.19.5"'):
+        ACCUMULATE_UNTIL_STEP.no_backward_sync(object(), enabled=True)
+    assert ACCUMULATE_UNTIL_STEP.no_backward_sync(object(), enabled=False) is not None

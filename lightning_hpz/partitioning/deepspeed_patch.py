@@ -117,14 +117,15 @@ def _past_end_safe(partition_param_sec: Any) -> Any:
         if secondary_start <= param.ds_numel or param.ds_status is not _partition_parameters.ZeroParamStatus.AVAILABLE:
             return partition_param_sec(self, param, buffer, has_been_updated)
         whole = param.data
-        param.data = torch.zeros(self._aligned_size(param), dtype=whole.dtype, device=whole.device)
-        param.data[: param.ds_numel].copy_(whole.reshape(-1))
-        try:
-            partition_param_sec(self, param, buffer, has_been_updated)
-        finally:
-            param.data = whole
-        if param.ds_secondary_tensor is not None:
-            with torch.no_grad():
+        # without gradients: a view of the padded parameter would give autograd the padded shape to expect
+        with torch.no_grad():
+            param.data = torch.zeros(self._aligned_size(param), dtype=whole.dtype, device=whole.device)
+            param.data[: param.ds_numel].copy_(whole.reshape(-1))
+            try:
+                partition_param_sec(self, param, buffer, has_been_updated)
+            finally:
+                param.data = whole
+            if param.ds_secondary_tensor is not None:
                 param.ds_secondary_tensor.zero_()
         return None
 
