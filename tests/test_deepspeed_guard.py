@@ -12,7 +12,7 @@ def test_installed_deepspeed_passes():
     assert deepspeed_patch._check_installed_deepspeed() is partition_parameters
 
 
-@pytest.mark.parametrize("version", ["0.15.4", "0.20.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.15.4", "0.16.8", "0.20.0", "1.0.0"])
 def test_untested_version_is_refused(monkeypatch, version):
     monkeypatch.setattr(deepspeed, "__version__", version)
     with pytest.raises(IncompatibleDeepSpeedError, match=rf"DeepSpeed {version} is outside .*pip install 'deepspeed>="):

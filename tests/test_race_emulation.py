@@ -1,4 +1,5 @@
-"""The hpZ race of arXiv 2407.01614 reproduced on 4 CPU processes, and both fixes shown to remove it exactly.
+"""The hpZ race of arXiv 2407.01614 reproduced on 4 CPU processes, and both fixes shown to remove it exactly, on the
+coalesced gathers and on the sequential ones (``stage3_allgather_sequential``, DeepSpeed 0.18.5+, its own gather path).
 
 Under emulation each secondary-partition copy lands late and the shard holds NaN until something orders after the
 copy. Plain ZeRO-3 (hpZ off) has no secondary copies, so it is the ground truth for every mode.

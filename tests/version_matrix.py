@@ -37,6 +37,7 @@ COMBINATIONS = {
     "deepspeed-0.19": "deepspeed==0.19.8",
     "lightning-2.5": "lightning==2.5.6",
     "lightning-2.6": "lightning==2.6.6",
+    "torch-2.7": "torch==2.7.1",  # the oldest torch the package declares (LitGPT needs 2.7, transformers 5 needs 2.6)
     "torch-2.15": "torch==2.15.0",
 }
 

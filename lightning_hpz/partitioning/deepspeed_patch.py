@@ -36,7 +36,7 @@ from lightning_hpz.partitioning.emulation import EmulatedAsyncDevice
 from lightning_hpz.partitioning.ordering import CopyOrdering
 
 # The DeepSpeed releases this package was tested against; the patch refuses others rather than guess.
-TESTED_DEEPSPEED_MIN = Version("0.16.0")
+TESTED_DEEPSPEED_MIN = Version("0.16.9")
 TESTED_DEEPSPEED_BELOW = Version("0.20.0")
 # DeepSpeed #6659: _partition_param_sec narrows past the end of a parameter smaller than its secondary slice offsets.
 SECONDARY_PAST_END_FIXED = Version("0.19.5")
