@@ -15,7 +15,9 @@ Two functions of ``deepspeed.runtime.zero.partition_parameters.Init`` are wrappe
   that the gathering stream first waits for the copies of the shards it reads.
 
 Nothing is patched when this module is imported. :func:`install` applies the wrappers when a strategy is set up and
-:func:`uninstall` removes them at its teardown, so plain DeepSpeed used later in the same process runs as shipped.
+:func:`uninstall` removes them at its teardown, so plain DeepSpeed used later in the same process runs as shipped,
+except that on the releases with DeepSpeed #6659 or #7606 the secondary write keeps their fixes (a model partitioned
+under hpZ is used after its strategy's teardown, and would crash or go stale without them).
 Parameters converted before :func:`install` (a ``deepspeed.zero.Init`` entered earlier) are found at setup by
 :mod:`lightning_hpz.partitioning.converted_parameters`.
 """
@@ -205,7 +207,7 @@ def is_wrapped() -> bool:
 
 def _wrap_deepspeed() -> None:
     init_cls = _partition_parameters.Init
-    if init_cls._partition_param_sec is _ORIGINAL_PARTITION_PARAM_SEC:
+    if init_cls._partition_param_sec in (_ORIGINAL_PARTITION_PARAM_SEC, _STOCK_PARTITION_PARAM_SEC):
         init_cls._partition_param_sec = _ordered_partition_param_sec
         init_cls._convert_to_deepspeed_param = _convert_with_ordered_gather
         _groups._create_zero_param_parallel_group = _create_or_reuse_hpz_group
@@ -214,7 +216,8 @@ def _wrap_deepspeed() -> None:
 def _unwrap_deepspeed() -> None:
     init_cls = _partition_parameters.Init
     if init_cls._partition_param_sec is _ordered_partition_param_sec:
-        init_cls._partition_param_sec = _ORIGINAL_PARTITION_PARAM_SEC
+        # a model partitioned under hpZ outlives the strategy (used after fit): its later releases keep the fixes
+        init_cls._partition_param_sec = _STOCK_PARTITION_PARAM_SEC
     if init_cls._convert_to_deepspeed_param is _convert_with_ordered_gather:
         init_cls._convert_to_deepspeed_param = _ORIGINAL_CONVERT_TO_DEEPSPEED_PARAM
     if _groups._create_zero_param_parallel_group is _create_or_reuse_hpz_group:
