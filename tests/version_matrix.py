@@ -139,15 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown combination(s) {unknown}; choose from {list(COMBINATIONS)}")
     ENVIRONMENTS.mkdir(parents=True, exist_ok=True)
-    rows, failures = [], 0
+    failures = 0
     for name in args.names or list(COMBINATIONS):
         python = prepare(name, COMBINATIONS[name])
         versions = installed_versions(python)
         print(f"[test-versions] {name}: {versions}", flush=True)
         outcome = run_subset(name, python)
         failures += outcome["code"] != 0
-        rows.append(table_row(name, versions, outcome))
-        print(rows[-1], flush=True)
+        (ENVIRONMENTS / f"{name}.row").write_text(table_row(name, versions, outcome))
+    # the latest outcome of every combination run so far, this run's and earlier ones'
+    rows = [
+        (ENVIRONMENTS / f"{name}.row").read_text() for name in COMBINATIONS if (ENVIRONMENTS / f"{name}.row").is_file()
+    ]
     header = "| combination | DeepSpeed | Lightning | torch | passed | failed | skipped | minutes |\n|" + "---|" * 8
     (ENVIRONMENTS / "results.md").write_text("\n".join([header, *rows]) + "\n")
     print("\n".join([header, *rows]))
