@@ -41,11 +41,12 @@ COMBINATIONS = {
     "torch-2.15": "torch==2.15.0",
 }
 
-# The promises every supported combination keeps, each on the toy whose last layer has one output (a one-element
-# bias, the parameter DeepSpeed #6659 crashed on), 4 CPU ranks: hpZ 2 and 4 equal hpZ 1; the emulated race (`none`
-# corrupts, `event` is exact, on the coalesced and the sequential gathers); an exact mid-epoch resume; stale
-# secondaries after writes under GatheredParameters; a Fabric loop; LitGPT's pretrain loop; the version guards and the
-# construction-time refusals of upstream hpZ bugs.
+# The promises every supported combination keeps, on 4 CPU ranks, the toys ending in a layer with one output (a
+# one-element bias, the parameter DeepSpeed #6659 crashed on): hpZ 2 and 4 equal hpZ 1; the emulated race (`none`
+# corrupts, `event` is exact, on the coalesced and the sequential gathers); an exact mid-epoch resume; no stale
+# secondaries after writes under GatheredParameters; hpZ 2 = hpZ 1 with frozen and tied weights, activation
+# checkpointing, bf16, accumulation and an optimizer offloaded to the CPU (DeepSpeed #6926); a Fabric loop; LitGPT's
+# pretrain loop; the version guards and the construction-time refusals of upstream hpZ bugs.
 SUBSET = [
     "tests/test_strategy_training.py::test_hpz_losses_identical_to_plain_zero3",
     "tests/test_strategy_training.py::test_resume_mid_epoch_continues_exactly",
@@ -53,6 +54,7 @@ SUBSET = [
     "tests/test_race_emulation.py::test_ordered_copy_matches_plain_zero3_exactly[event]",
     "tests/test_race_emulation.py::test_ordered_copy_matches_plain_zero3_exactly[event-sequential]",
     "tests/test_secondary_partitions.py",
+    "tests/test_hpz_combinations.py",
     "tests/test_fabric_training.py::test_hpz2_with_event_ordering_matches_hpz1_exactly",
     "tests/test_litgpt_loops.py::test_pretrain_main_hpz2_equals_hpz1_and_ddp",
     "tests/test_deepspeed_guard.py",
