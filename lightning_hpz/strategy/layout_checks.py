@@ -86,12 +86,14 @@ class LayoutChecks:
                 )
 
     def _refuse_qwz_on_bf16_where_broken(self) -> None:
+        if not self.zero_settings.quantized_weights:
+            return
         from importlib.metadata import version
 
         plugin = getattr(self, "precision_plugin", None) or getattr(self, "precision", None)  # Trainer or Fabric
         bf16 = str(getattr(plugin, "precision", "")).startswith("bf16")
         bf16 = bf16 or bool((self.config.get("bf16") or {}).get("enabled"))
-        cfg.validate_qwz_precision(self.zero_settings.quantized_weights, bf16, version("deepspeed"))
+        cfg.validate_qwz_precision(True, bf16, version("deepspeed"))
 
     def _refuse_qgz_groups_across_nodes(self) -> None:
         # DeepSpeed sizes qgZ's node-local groups by the GPUs a process sees (`get_accelerator().device_count()`,
