@@ -116,7 +116,9 @@ def _past_end_safe(partition_param_sec: Any) -> Any:
 
     def past_end_safe(self: Any, param: Any, buffer: Any = None, has_been_updated: bool = False) -> None:
         secondary_start = self._aligned_size(param) // self.num_ranks_in_param_group * self.rank_in_group
-        if secondary_start <= param.ds_numel or param.ds_status is not _partition_parameters.ZeroParamStatus.AVAILABLE:
+        kept = param.ds_secondary_tensor is not None and not has_been_updated  # stock code returns at once
+        available = param.ds_status is _partition_parameters.ZeroParamStatus.AVAILABLE
+        if secondary_start <= param.ds_numel or kept or not available:
             return partition_param_sec(self, param, buffer, has_been_updated)
         whole = param.data
         # without gradients: a view of the padded parameter would give autograd the padded shape to expect
