@@ -1,7 +1,7 @@
 # Set-up and entry points for a machine without a GPU (CPU wheel of torch, see requirements/cpu.txt).
 PYTHON ?= python3
 
-.PHONY: install quickstart test lint
+.PHONY: install quickstart test test-versions lint
 
 install:
 	$(PYTHON) -m pip install --quiet -r requirements/cpu.txt
@@ -19,6 +19,13 @@ quickstart: install
 TEST_WORKERS ?= 2
 test: install
 	$(PYTHON) -m pytest tests $(if $(CI),,-m "not slow") -n $(TEST_WORKERS) --dist loadfile --durations=25
+
+# The version subset in a fresh environment per supported DeepSpeed minor, Lightning minor and the newest torch
+# (tests/version_matrix.py, docs/versions.md): about 10 minutes per combination on 2 cores; not part of `make test`.
+# VERSIONS picks combinations (`$(PYTHON) tests/version_matrix.py --list`), e.g. VERSIONS="deepspeed-0.16 torch-2.15".
+VERSIONS ?=
+test-versions: install
+	$(PYTHON) tests/version_matrix.py $(VERSIONS)
 
 lint:
 	ruff check lightning_hpz tests benchmarks examples

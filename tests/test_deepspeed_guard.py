@@ -12,7 +12,7 @@ def test_installed_deepspeed_passes():
     assert deepspeed_patch._check_installed_deepspeed() is partition_parameters
 
 
-@pytest.mark.parametrize("version", ["0.15.4", "0.20.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.15.4", "0.16.8", "0.20.0", "1.0.0"])
 def test_untested_version_is_refused(monkeypatch, version):
     monkeypatch.setattr(deepspeed, "__version__", version)
     with pytest.raises(IncompatibleDeepSpeedError, match=rf"DeepSpeed {version} is outside .*pip install 'deepspeed>="):
@@ -40,7 +40,8 @@ def test_wrappers_are_in_place_only_while_installed():
         assert partition_parameters.Init._convert_to_deepspeed_param is deepspeed_patch._convert_with_ordered_gather
     finally:
         deepspeed_patch.uninstall()
-    assert partition_parameters.Init._partition_param_sec is original
+    # DeepSpeed's own again, with the fixes of its release's hpZ bugs (the very same function from 0.19.5 on)
+    assert partition_parameters.Init._partition_param_sec is deepspeed_patch._STOCK_PARTITION_PARAM_SEC
 
 
 def test_a_stale_owner_does_not_uninstall_a_newer_ordering():

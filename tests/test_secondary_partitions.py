@@ -68,3 +68,11 @@ def test_load_state_dict_into_sharded_model_matches_plain_zero3(runs):
         hpz, plain = runs[2].ranks[rank], runs[1].ranks[rank]
         assert hpz["after_load_state_dict"] == plain["after_load_state_dict"]
         assert hpz["check_after_load_state_dict"]["ok"]
+
+
+def test_write_under_gathered_parameters_reaches_the_secondaries(runs):
+    # DeepSpeed #7606/#7130: before 0.18.3 the release after such a write kept the old secondary copies
+    for rank in range(4):
+        hpz, plain = runs[2].ranks[rank], runs[1].ranks[rank]
+        assert hpz["after_gathered_write"] == plain["after_gathered_write"] != plain["after_load_state_dict"]
+        assert hpz["check_after_gathered_write"]["ok"] and hpz["check_after_gathered_write"]["checked"] > 0

@@ -43,6 +43,7 @@ _NEEDS_DEEPSPEED = {
     "write_step_norm": "step_clipping",
     "request_loop_owned_accumulation": "loop_owned_accumulation",
     "loop_owns_accumulation": "loop_owned_accumulation",
+    "loop_owned_accumulation_available": "loop_owned_accumulation",
     "refresh_master_weights": "master_weights",
     "OpenWrites": "placeholder_writes",
     "loads_reach_shards": "placeholder_writes",

@@ -6,12 +6,18 @@ Two functions of ``deepspeed.runtime.zero.partition_parameters.Init`` are wrappe
   :class:`~lightning_hpz.partitioning.ordering.CopyOrdering` orders the copy; DeepSpeed's own host-blocking
   synchronize (``resolves_data_dependency`` gate, PR #5216) is held off so each mode does exactly what it says,
   whatever the installed version does.
+  Before DeepSpeed 0.19.5 it also crashed on a parameter smaller than its secondary group's padded slices (a
+  one-element bias: DeepSpeed #6659, fixed by PR #8210); those releases get the fix here (:func:`_past_end_safe`).
+  Before 0.18.3 it was never told that a parameter had been written under ``GatheredParameters(modifier_rank=...)``
+  (DeepSpeed #7606, #7130), so the copy kept the old weights; those releases rewrite it at every release here.
 * ``_convert_to_deepspeed_param`` equips each parameter with ``all_gather_coalesced``, the only gather that reads
   secondary shards (called by the prefetch coordinator inside its all-gather stream context). Its result is wrapped so
   that the gathering stream first waits for the copies of the shards it reads.
 
 Nothing is patched when this module is imported. :func:`install` applies the wrappers when a strategy is set up and
-:func:`uninstall` removes them at its teardown, so plain DeepSpeed used later in the same process runs as shipped.
+:func:`uninstall` removes them at its teardown, so plain DeepSpeed used later in the same process runs as shipped,
+except that on the releases with DeepSpeed #6659 or #7606 the secondary write keeps their fixes (a model partitioned
+under hpZ is used after its strategy's teardown, and would crash or go stale without them).
 Parameters converted before :func:`install` (a ``deepspeed.zero.Init`` entered earlier) are found at setup by
 :mod:`lightning_hpz.partitioning.converted_parameters`.
 """
@@ -32,8 +38,12 @@ from lightning_hpz.partitioning.emulation import EmulatedAsyncDevice
 from lightning_hpz.partitioning.ordering import CopyOrdering
 
 # The DeepSpeed releases this package was tested against; the patch refuses others rather than guess.
-TESTED_DEEPSPEED_MIN = Version("0.16.0")
+TESTED_DEEPSPEED_MIN = Version("0.16.9")
 TESTED_DEEPSPEED_BELOW = Version("0.20.0")
+# DeepSpeed #6659: _partition_param_sec narrows past the end of a parameter smaller than its secondary slice offsets.
+SECONDARY_PAST_END_FIXED = Version("0.19.5")
+# DeepSpeed #7606 (fixed by #7707): Init._partition dropped has_been_updated on its way to _partition_param_sec.
+SECONDARY_UPDATE_PASSED = Version("0.18.3")
 
 
 class IncompatibleDeepSpeedError(ImportError):
@@ -92,8 +102,63 @@ def _check_installed_deepspeed() -> Any:
     return partition_parameters
 
 
+def _installed_deepspeed_version() -> Version:
+    import deepspeed
+
+    return Version(Version(deepspeed.__version__).base_version)
+
+
+def _past_end_safe(partition_param_sec: Any) -> Any:
+    """``partition_param_sec`` (DeepSpeed's own, before 0.19.5) made safe for a parameter that ends before this rank's
+    secondary slice starts: stock code narrows the flat parameter at that offset and raises ``IndexError: start out
+    of range``. Such a rank copies nothing; the call sees the parameter padded to its aligned size (the copy is still
+    DeepSpeed's), and the slice, all padding, is zeroed as 0.19.5 does."""
+
+    def past_end_safe(self: Any, param: Any, buffer: Any = None, has_been_updated: bool = False) -> None:
+        secondary_start = self._aligned_size(param) // self.num_ranks_in_param_group * self.rank_in_group
+        kept = param.ds_secondary_tensor is not None and not has_been_updated  # stock code returns at once
+        available = param.ds_status is _partition_parameters.ZeroParamStatus.AVAILABLE
+        if secondary_start <= param.ds_numel or kept or not available:
+            return partition_param_sec(self, param, buffer, has_been_updated)
+        whole = param.data
+        # without gradients: a view of the padded parameter would give autograd the padded shape to expect
+        with torch.no_grad():
+            param.data = torch.zeros(self._aligned_size(param), dtype=whole.dtype, device=whole.device)
+            param.data[: param.ds_numel].copy_(whole.reshape(-1))
+            try:
+                partition_param_sec(self, param, buffer, has_been_updated)
+            finally:
+                param.data = whole
+            if param.ds_secondary_tensor is not None:
+                param.ds_secondary_tensor.zero_()
+        return None
+
+    return past_end_safe
+
+
+def _always_updated(partition_param_sec: Any) -> Any:
+    """``partition_param_sec`` rewriting the secondary copy at every release of a gathered parameter: where DeepSpeed
+    does not say whether the parameter was written meanwhile, a copy from the whole parameter (local, 1/hpZ of it) is
+    the one that is right either way."""
+
+    def always_updated(self: Any, param: Any, buffer: Any = None, has_been_updated: bool = False) -> None:
+        return partition_param_sec(self, param, buffer, True)
+
+    return always_updated
+
+
+def _stock_partition_param_sec(original: Any, version: Version) -> Any:
+    """What this package calls as DeepSpeed's own secondary write: ``original``, with the bugs of ``version`` fixed."""
+    if version < SECONDARY_PAST_END_FIXED:
+        original = _past_end_safe(original)
+    if version < SECONDARY_UPDATE_PASSED:
+        original = _always_updated(original)
+    return original
+
+
 _partition_parameters = _check_installed_deepspeed()
 _ORIGINAL_PARTITION_PARAM_SEC = _partition_parameters.Init._partition_param_sec
+_STOCK_PARTITION_PARAM_SEC = _stock_partition_param_sec(_ORIGINAL_PARTITION_PARAM_SEC, _installed_deepspeed_version())
 _ORIGINAL_CONVERT_TO_DEEPSPEED_PARAM = _partition_parameters.Init._convert_to_deepspeed_param
 _groups = _partition_parameters.groups
 _ORIGINAL_CREATE_HPZ_GROUP = _groups._create_zero_param_parallel_group
@@ -144,7 +209,7 @@ def is_wrapped() -> bool:
 
 def _wrap_deepspeed() -> None:
     init_cls = _partition_parameters.Init
-    if init_cls._partition_param_sec is _ORIGINAL_PARTITION_PARAM_SEC:
+    if init_cls._partition_param_sec in (_ORIGINAL_PARTITION_PARAM_SEC, _STOCK_PARTITION_PARAM_SEC):
         init_cls._partition_param_sec = _ordered_partition_param_sec
         init_cls._convert_to_deepspeed_param = _convert_with_ordered_gather
         _groups._create_zero_param_parallel_group = _create_or_reuse_hpz_group
@@ -153,7 +218,8 @@ def _wrap_deepspeed() -> None:
 def _unwrap_deepspeed() -> None:
     init_cls = _partition_parameters.Init
     if init_cls._partition_param_sec is _ordered_partition_param_sec:
-        init_cls._partition_param_sec = _ORIGINAL_PARTITION_PARAM_SEC
+        # a model partitioned under hpZ outlives the strategy (used after fit): its later releases keep the fixes
+        init_cls._partition_param_sec = _STOCK_PARTITION_PARAM_SEC
     if init_cls._convert_to_deepspeed_param is _convert_with_ordered_gather:
         init_cls._convert_to_deepspeed_param = _ORIGINAL_CONVERT_TO_DEEPSPEED_PARAM
     if _groups._create_zero_param_parallel_group is _create_or_reuse_hpz_group:
@@ -215,10 +281,10 @@ def _ordered_partition_param_sec(self: Any, param: Any, buffer: Any = None, has_
 def _write_secondary_in_order(self: Any, param: Any, buffer: Any, has_been_updated: bool) -> None:
     ordering: CopyOrdering | None = _active["ordering"]
     if ordering is None or getattr(param, STOCK_COPY_SYNC_MARK, False):
-        return _ORIGINAL_PARTITION_PARAM_SEC(self, param, buffer, has_been_updated)
+        return _STOCK_PARTITION_PARAM_SEC(self, param, buffer, has_been_updated)
     before = _write_stamp(param)
     with _deepspeed_copy_sync_held_off():
-        _ORIGINAL_PARTITION_PARAM_SEC(self, param, buffer, has_been_updated)
+        _STOCK_PARTITION_PARAM_SEC(self, param, buffer, has_been_updated)
     secondary = param.ds_secondary_tensor
     if secondary is None or _write_stamp(param) == before:
         return None

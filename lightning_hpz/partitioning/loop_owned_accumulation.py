@@ -23,7 +23,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 LOOP_OWNED_KEY = "managed_gradient_accumulation"
 
 
-def available() -> bool:
+def loop_owned_accumulation_available() -> bool:
     """Whether the installed DeepSpeed lets the caller own the boundary."""
     return callable(getattr(DeepSpeedEngine, LOOP_OWNED_KEY, None))
 
@@ -36,7 +36,7 @@ def request_loop_owned_accumulation(config: dict[str, Any]) -> bool:
     """
     if LOOP_OWNED_KEY in config:
         return config[LOOP_OWNED_KEY] is False
-    if config.get("gradient_accumulation_steps", 1) != 1 or not available():
+    if config.get("gradient_accumulation_steps", 1) != 1 or not loop_owned_accumulation_available():
         return False
     config[LOOP_OWNED_KEY] = False
     zero = config.get("zero_optimization") or {}

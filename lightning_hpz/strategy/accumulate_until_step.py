@@ -19,6 +19,13 @@ from lightning_hpz.strategy.deferred_engine import DeferredEngine
 class AccumulateUntilStep(BackwardSyncControl):
     def no_backward_sync(self, module: Any, enabled: bool) -> AbstractContextManager:
         engine = module.built_engine() if isinstance(module, DeferredEngine) else module
+        if enabled and not partitioning.loop_owned_accumulation_available():
+            raise ValueError(
+                "`fabric.no_backward_sync` accumulates over several backwards until `optimizer.step()`, which "
+                "DeepSpeed supports from 0.19.4 on (`managed_gradient_accumulation: false`); the installed DeepSpeed "
+                "would keep only the last micro-batch's gradient. Install a newer release "
+                '(`pip install "deepspeed>=0.19.5"`), or call `optimizer.step()` after every micro-batch.'
+            )
         if enabled and not partitioning.loop_owns_accumulation(engine):
             raise ValueError(
                 "`fabric.no_backward_sync` accumulates over several backwards, which this engine does not do: its "

@@ -210,13 +210,45 @@ def validate_hpz_companions(config: dict[str, Any], partition_size: int) -> None
             "ZeRO-3's gathers itself and never keeps or reads hpZ's secondary partitions, so hpZ would be silently "
             "off. Set hpz_partition_size=1, or remove compile.deepcompile."
         )
-    offload = (config.get("zero_optimization") or {}).get("offload_param") or {}
+    zero = config.get("zero_optimization") or {}
+    if (zero.get("mics_shard_size") or -1) > 0:
+        raise HpzConfigurationError(
+            f"hpz_partition_size={partition_size} with MiCS (zero_optimization.mics_shard_size="
+            f"{zero['mics_shard_size']}): DeepSpeed builds the MiCS optimizer before hpZ's groups and never keeps a "
+            "secondary partition, so hpZ would be silently off. Use one of the two: remove mics_shard_size, or set "
+            "hpz_partition_size=1."
+        )
+    if (config.get("expert_parallel") or {}).get("enabled"):
+        raise HpzConfigurationError(
+            f"hpz_partition_size={partition_size} with AutoEP (expert_parallel.enabled=true): DeepSpeed's AutoEP under "
+            "ZeRO-3 does not support hpZ's secondary groups and stops at engine start-up. Set hpz_partition_size=1, "
+            "or disable expert_parallel."
+        )
+    offload = zero.get("offload_param") or {}
     if offload.get("device") == "nvme":
         raise HpzConfigurationError(
             f"hpz_partition_size={partition_size} with parameters offloaded to NVMe (offload_param.device='nvme'): "
             "DeepSpeed's NVMe parameter swapper does not handle hpZ's secondary partitions and fails inside ZeRO-3. "
             "Offload parameters to 'cpu', or set hpz_partition_size=1."
         )
+
+
+# DeepSpeed #7775 (fixed in 0.19.6): qwZ's CUDA quantizer read bf16 weights through an fp16 pointer.
+QWZ_BF16_FIXED = "0.19.6"
+
+
+def validate_qwz_precision(quantized_weights: bool, bf16: bool, deepspeed_version: str) -> None:
+    """Refuse qwZ on bf16 weights where the installed DeepSpeed quantizes their bits as if they were fp16."""
+    from packaging.version import Version
+
+    if not (quantized_weights and bf16) or Version(Version(deepspeed_version).base_version) >= Version(QWZ_BF16_FIXED):
+        return
+    raise HpzConfigurationError(
+        f"quantized_weights=True (ZeRO++ qwZ) with bf16 on DeepSpeed {deepspeed_version}: before {QWZ_BF16_FIXED} "
+        "DeepSpeed's weight quantizer reads bf16 values as fp16 bits and gathers garbage (DeepSpeed issue 7775). "
+        f'Install a fixed release (`pip install "deepspeed>={QWZ_BF16_FIXED}"`), train in fp16, or set '
+        "quantized_weights=False."
+    )
 
 
 def validate_qgz_groups(visible_gpus: int, devices_per_node: int) -> None:

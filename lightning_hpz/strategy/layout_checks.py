@@ -53,6 +53,7 @@ class LayoutChecks:
         )
         cfg.validate_layout(size, self.devices_per_node, self.num_nodes)
         self._refuse_quantization_without_cuda()
+        self._refuse_qwz_on_bf16_where_broken()
         self._refuse_qgz_groups_across_nodes()
         if self.emulate_async_copy and not self.on_cpu:
             raise cfg.HpzConfigurationError(
@@ -83,6 +84,16 @@ class LayoutChecks:
                     f"{name}=True (ZeRO++ {'qwZ' if name == 'quantized_weights' else 'qgZ'}) needs CUDA: DeepSpeed has "
                     f"no {type(self.accelerator).__name__} kernels for it. Set {name}=False, or train on GPUs."
                 )
+
+    def _refuse_qwz_on_bf16_where_broken(self) -> None:
+        if not self.zero_settings.quantized_weights:
+            return
+        from importlib.metadata import version
+
+        plugin = getattr(self, "precision_plugin", None) or getattr(self, "precision", None)  # Trainer or Fabric
+        bf16 = str(getattr(plugin, "precision", "")).startswith("bf16")
+        bf16 = bf16 or bool((self.config.get("bf16") or {}).get("enabled"))
+        cfg.validate_qwz_precision(True, bf16, version("deepspeed"))
 
     def _refuse_qgz_groups_across_nodes(self) -> None:
         # DeepSpeed sizes qgZ's node-local groups by the GPUs a process sees (`get_accelerator().device_count()`,

@@ -86,6 +86,15 @@ def main(options: dict) -> None:
             module.load_state_dict(state)
     record["after_load_state_dict"] = forward_sum(module, x)
     record["check_after_load_state_dict"] = check_summary(module)
+
+    # a write under GatheredParameters(modifier_rank=0) outside load_state_dict, as transformers'
+    # resize_token_embeddings copies the old rows: DeepSpeed before 0.18.3 kept the old secondaries (#7606, #7130)
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0), torch.no_grad():
+        if trainer.global_rank == 0:
+            for param in module.parameters():
+                param.mul_(-1.5)
+    record["after_gathered_write"] = forward_sum(module, x)
+    record["check_after_gathered_write"] = check_summary(module)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
