@@ -10,21 +10,27 @@ rank hashes a large checkpoint alone while the others wait in a timed collective
 from __future__ import annotations
 
 import logging
-import shutil
+import os
 from pathlib import Path
 from typing import Optional
 
 from lightning_hpz import collectives, durability
 from lightning_hpz.checkpointing import manifest
 from lightning_hpz.checkpointing.rank_agreement import on_rank_zero, problems_found_together
-from lightning_hpz.checkpointing.staging import REPLACED_SUFFIX, STAGING_FOLDER, replaced_path, staging_path
+from lightning_hpz.checkpointing.staging import (
+    REPLACED_SUFFIX,
+    STAGING_FOLDER,
+    remove_path,
+    replaced_path,
+    staging_path,
+)
 
 log = logging.getLogger(__name__)
 
 
 def interrupted(final: Path) -> bool:
     """A commit of ``final`` stopped with a copy moved aside (or a finished one not yet cleaned up)."""
-    return replaced_path(Path(final)).exists()
+    return os.path.lexists(replaced_path(Path(final)))
 
 
 def repair_interrupted_commit(final: Path, staged_verifies: Optional[bool] = None) -> str:
@@ -34,12 +40,12 @@ def repair_interrupted_commit(final: Path, staged_verifies: Optional[bool] = Non
     here, every file by checksum.
     """
     final, staging, replaced = Path(final), staging_path(Path(final)), replaced_path(Path(final))
-    if final.exists():
-        if replaced.exists():  # the new copy made it; the old one was not deleted yet
-            shutil.rmtree(replaced)
+    if os.path.lexists(final):
+        if os.path.lexists(replaced):  # the new copy made it; the old one was not deleted yet
+            remove_path(replaced)
             return "deleted the copy a finished commit had moved aside"
         return ""
-    if not replaced.exists():
+    if not os.path.lexists(replaced):
         return ""
     if staged_verifies is None:
         recorded = manifest.complete_manifest(staging)
@@ -52,8 +58,8 @@ def repair_interrupted_commit(final: Path, staged_verifies: Optional[bool] = Non
         what = "rolled back to the previous copy (the staged one was incomplete or did not verify)"
     durability.persist_directory(final.parent)  # the repair survives a power loss before the old copy goes
     durability.persist_directory(staging.parent)
-    if replaced.exists():
-        shutil.rmtree(replaced)
+    if os.path.lexists(replaced):
+        remove_path(replaced)
     return what
 
 
