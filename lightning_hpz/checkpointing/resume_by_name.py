@@ -142,7 +142,7 @@ def _choose_on_rank_zero(by_name: ResumeByName, folders: list[Path]) -> Optional
         warnings.simplefilter("always")
         lightning_choice = by_name.lightning_choice()
     committed = resume_choice.committed_checkpoints(folders)
-    chosen = resume_choice.choose(Path(lightning_choice) if lightning_choice else None, committed)
+    chosen = resume_choice.choose_complete(Path(lightning_choice) if lightning_choice else None, committed)
     if chosen is None or str(chosen) == str(lightning_choice):
         for caught in held:
             warnings.warn_explicit(caught.message, caught.category, caught.filename, caught.lineno)
