@@ -1,13 +1,15 @@
 """DeepSpeed's checkpoint reads, each checked against the integrity manifest from the very bytes it loads.
 
-The check before a load (``checkpointing/resume.py``) hashes the files, and DeepSpeed then opens them again by path: a
-file replaced or rewritten in between, or a read that returns other bytes than the check saw (a network file
-system's client cache), would load unverified. While DeepSpeed loads, its engine's ``checkpoint_engine`` (the object
-every DeepSpeed checkpoint read goes through: ``DeepSpeedEngine._load_checkpoint``, ``_get_all_zero_checkpoints``,
-the ZeRO-3 state-dict loader) is wrapped: each file it asks for is mapped once, hashed from the mapping, compared with
-the manifest, and handed to ``torch.load`` as that same mapping. The pages are the page cache's: no second copy in
-memory. Files the manifest does not list (a universal-format copy) pass through unchanged. What a file must hash to,
-and the error when it does not, are the caller's (``checkpointing/resume.py``): this module only maps and reads.
+A check that hashed a file by path before DeepSpeed opened it again would let a file replaced or rewritten in between,
+or a read that returns other bytes than the check saw (a network file system's client cache), load unverified. While
+DeepSpeed loads, its engine's ``checkpoint_engine`` (the object every DeepSpeed checkpoint read goes through:
+``DeepSpeedEngine._load_checkpoint``, ``_get_all_zero_checkpoints``, the ZeRO-3 state-dict loader) is wrapped: each
+file it asks for is mapped once, hashed from the mapping, compared with the manifest, and handed to ``torch.load`` as
+that same mapping. The files a rank is known to read (its own shards, ``checkpointing/resume.py``) are mapped and
+hashed before the load, so that damage is refused on every rank alike, and passed in already checked: each byte is
+read from the storage once. The pages are the page cache's: no second copy in memory. Files the manifest does not
+list (a universal-format copy) pass through unchanged. What a file must hash to, and the error when it does not, are
+the caller's (``checkpointing/resume.py``): this module only maps and reads.
 """
 
 from __future__ import annotations
