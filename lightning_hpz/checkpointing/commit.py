@@ -118,7 +118,7 @@ def _own_files(staging: Path, writes: Optional[HashedWrites]) -> dict[str, Any]:
             if writes.failures:
                 raise OSError("; ".join(writes.failures))
             return {"files": writes.digests}
-        # written around a checkpoint engine we can wrap: the writer makes its files durable (its own client holds
+        # written by a checkpoint engine that is not wrapped: the writer makes its files durable (its own client holds
         # the dirty pages on a network file system) and reads them back
         names = manifest.files_written_by(staging, rank, collectives.world_size())
         durability.persist_files(staging, names)
@@ -172,13 +172,13 @@ def _move_into_place(staging: Path, final: Path) -> None:
     fault_point("commit:manifest_written")
     if not os.path.lexists(final):
         staging.rename(final)
-        _persist_entries(final, staging)
+        _persist_new_copy(final, staging)
         fault_point("commit:new_in_place")
         with contextlib.suppress(OSError):  # still holding another save's files
             staging.parent.rmdir()
         return
     if atomic_exchange(staging, final):
-        _persist_entries(final, staging)  # the new copy is durably in place before the old one goes
+        _persist_new_copy(final, staging)  # the new copy is durably in place before the old one goes
         fault_point("commit:new_in_place")
         _delete_in_background(staging)
         return
@@ -188,7 +188,7 @@ def _move_into_place(staging: Path, final: Path) -> None:
     _persist_entries(final, staging)  # the move aside is on the storage before the staged copy takes the path
     fault_point("commit:old_moved_aside")
     staging.rename(final)
-    _persist_entries(final, staging)
+    _persist_new_copy(final, staging)
     fault_point("commit:new_in_place")
     _delete_in_background(replaced)
 
@@ -196,6 +196,14 @@ def _move_into_place(staging: Path, final: Path) -> None:
 def _persist_entries(final: Path, staging: Path) -> None:
     durability.persist_directory(final.parent)
     durability.persist_directory(staging.parent)
+
+
+def _persist_new_copy(final: Path, staging: Path) -> None:
+    # the new copy is at `final` already: a failure now must not be reported as a save abandoned
+    try:
+        _persist_entries(final, staging)
+    except OSError as error:
+        log.warning("Checkpoint %s is in place, but its directory entry may not be durable yet: %s", final, error)
 
 
 def _delete_in_background(old_copy: Path) -> None:
