@@ -255,7 +255,7 @@ def test_ranks_touch_only_their_own_shards_when_saving_and_loading(moved_up, mod
     # other ranks' optimizer shards (N-1, `_get_all_zero_checkpoint_names`) are all it may add
     jobs = _jobs(moved_up, 4)
     assert [(rank_jobs[3]["start_step"], rank_jobs[3]["end_step"]) for rank_jobs in jobs] == [(4, 6)] * 4
-    existence_check = re.compile(r"\d+ (newfstatat|stat|lstat|statx|access|faccessat2?)\(")
+    existence_check = re.compile(r"\d+\s+(newfstatat|stat|lstat|statx|access|faccessat2?)\(")
     for rank in range(1, 4):
         lines = (module_tmp / "up" / f"strace_job3_rank{rank}.txt").read_text().splitlines()
         train_start = next(i for i, line in enumerate(lines) if TRAIN_START_MARKER in line)

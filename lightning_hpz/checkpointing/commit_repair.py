@@ -5,6 +5,10 @@ copies wait in the staging folder. The repair rolls forward only when the staged
 by checksum, not by size alone: rolling forward deletes the old copy, so a staged shard of the right size but wrong
 bytes would cost both. The checksums are shared by the ranks, balanced by bytes (:func:`staged_copy_verifies`), so no
 rank hashes a large checkpoint alone while the others wait in a timed collective.
+
+Whoever loads next repairs first: a resume by name the run's folders (:func:`repair_folders`), an explicit
+``ckpt_path`` its own path (:func:`repair_before_load`), and the next save of that name (``commit.py``). Nothing is
+touched while another job holds the folder's writer lock: its commit may still be under way.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_hpz import collectives, durability
-from lightning_hpz.checkpointing import manifest
+from lightning_hpz.checkpointing import manifest, writer_lock
 from lightning_hpz.checkpointing.rank_agreement import on_rank_zero, problems_found_together
 from lightning_hpz.checkpointing.staging import (
     REPLACED_SUFFIX,
@@ -100,3 +104,35 @@ def repair_together(finals: list[Path]) -> dict[Path, str]:
             log.warning("Checkpoint %s: its save was interrupted while committing; %s.", final, what)
             done[final] = what
     return done
+
+
+def repair_folders(folders: list[Path]) -> None:
+    """Collective: repair every interrupted commit in rank 0's ``folders`` (the other ranks' are ignored)."""
+
+    def interrupted_here() -> list[Path]:
+        finals: list[Path] = []
+        for folder in folders:
+            if not _another_job_writes(folder):
+                finals += interrupted_commits_in(folder)
+        return finals
+
+    finals = on_rank_zero(interrupted_here, f"Cannot look for interrupted commits in {folders}")
+    repair_together(finals)
+
+
+def repair_before_load(checkpoint_path: Any) -> None:
+    """Collective: repair an interrupted commit of ``checkpoint_path`` (a local path) before it is read."""
+    path = Path(checkpoint_path)
+    wanted = collectives.rank() == 0 and "://" not in str(checkpoint_path)
+    # whether it was interrupted is repair_together's to find (an error there reaches every rank)
+    repair_together([path] if wanted and not _another_job_writes(path.parent) else [])
+
+
+def _another_job_writes(folder: Path) -> bool:
+    try:
+        holder = writer_lock.held_by_another_job(folder)
+    except OSError:  # the folder cannot be read: repair_together reports it on every rank
+        return False
+    if holder is not None:
+        log.warning("Not repairing interrupted commits in %s: job %s may still be writing it.", folder, holder)
+    return holder is not None

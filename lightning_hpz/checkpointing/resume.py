@@ -17,7 +17,7 @@ from lightning.fabric.strategies.deepspeed import _validate_checkpoint_directory
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hpz import collectives
-from lightning_hpz.checkpointing import commit, compatibility, load_repair, manifest, universal
+from lightning_hpz.checkpointing import commit, commit_repair, compatibility, manifest, universal
 from lightning_hpz.checkpointing.errors import CheckpointIntegrityError, CheckpointMismatchError
 from lightning_hpz.checkpointing.rank_agreement import agreed, problems_found_together
 
@@ -38,7 +38,7 @@ def prepare_load(
     """
     commit.wait_for_old_copy_deletion()  # a load right after a save (`fit`, then `test`) meets no half-deleted copy
     path = Path(checkpoint_path)
-    load_repair.repair_before_load(path)  # a path caught between the two renames of its commit exists again
+    commit_repair.repair_before_load(path)  # a path caught between the two renames of its commit exists again
     # Lightning's own check first: a wrong path gets its guidance (a subfolder or a file inside a checkpoint: "try
     # to load using this parent directory instead"), the same FileNotFoundError as with Lightning's strategy
     _validate_checkpoint_directory(path)

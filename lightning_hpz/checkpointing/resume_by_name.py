@@ -31,7 +31,7 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_hpz.checkpointing import load_repair, resume_choice
+from lightning_hpz.checkpointing import commit_repair, resume_choice
 from lightning_hpz.checkpointing.rank_agreement import on_rank_zero
 
 
@@ -113,7 +113,7 @@ def choose(trainer: Any) -> None:
     failure, errors = f"Cannot choose the checkpoint for ckpt_path={by_name.name!r}", (OSError, ValueError)
     folders = on_rank_zero(lambda: run_folders(trainer), failure, errors)
     # the ranks repair together (each verifies a share of a staged copy), then rank 0 chooses
-    load_repair.repair_folders(folders)
+    commit_repair.repair_folders(folders)
     by_name.path = on_rank_zero(lambda: _choose_on_rank_zero(by_name, folders), failure, errors)
     by_name.chosen = True
 
