@@ -127,7 +127,8 @@ def all_gather_object(obj: Any, group: Optional[Any] = None) -> list[Any]:
 
 
 def gather_object(obj: Any, dst: int = 0, group: Optional[Any] = None) -> Optional[list[Any]]:
-    """Every rank's picklable ``obj``, in rank order, on ``dst``; None on the other ranks."""
+    """Every rank's picklable ``obj``, in rank order, on ``dst`` alone (None elsewhere): each rank sends its own
+    object once, where an all-gather would hand every rank all ``world_size`` of them."""
     if not is_distributed():
         return [obj]
     gathered: Optional[list[Any]] = [None] * world_size(group) if rank(group) == dst else None

@@ -13,7 +13,7 @@ from lightning_hpz.checkpointing import (
     last_good_checkpoint,
     read_manifest,
 )
-from lightning_hpz.checkpointing.commit import committed_save
+from lightning_hpz.checkpointing.commit import committed_save, wait_for_old_copy_deletion
 from lightning_hpz.checkpointing.compatibility import mismatches
 from lightning_hpz.checkpointing.consolidate import consolidate
 from lightning_hpz.checkpointing.inspect_command import checkpoint_main
@@ -83,7 +83,28 @@ def test_overwrite_replaces_the_checkpoint_only_when_complete(tmp_path):
     path = _commit(tmp_path / "last.ckpt", 2.0, step=4)
     assert read_manifest(path)["run"]["global_step"] == 4
     assert torch.load(path / SHARD)["w"][0].item() == 2.0
+    wait_for_old_copy_deletion()  # the replaced copy is deleted off the save's critical path
     assert sorted(p.name for p in tmp_path.iterdir()) == [".hpz-writer.json", "last.ckpt"]
+
+
+@pytest.mark.parametrize("kind", ["file", "folder", "link"])
+def test_whatever_another_strategy_left_at_the_path_is_replaced(tmp_path, kind):
+    # LitGPT's `final/lit_model.pth`, a file under DDP, is a folder under DeepSpeed; a killed save left a stale
+    # `.partial` file in staging: the save replaces both and reports what is on disk, and the next save works too
+    final, target = tmp_path / "lit_model.pth", tmp_path / "elsewhere"
+    target.write_text("kept")
+    {
+        "file": lambda: final.write_text("ddp"),
+        "folder": lambda: final.mkdir(),
+        "link": lambda: final.symlink_to(target),
+    }[kind]()
+    staging_path(final).parent.mkdir()
+    staging_path(final).write_text("stale")
+    for step, value in ((2, 1.0), (4, 2.0)):
+        assert read_manifest(_commit(final, value, step=step))["run"]["global_step"] == step
+    wait_for_old_copy_deletion()
+    assert torch.load(final / SHARD)["w"][0].item() == 2.0 and target.read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hpz-writer.json", "elsewhere", "lit_model.pth"]
 
 
 def test_verify_names_flipped_truncated_and_missing_files(tmp_path):

@@ -9,6 +9,7 @@ world size are compared with the consolidated checkpoint, bit for bit, and Adam'
 
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from lightning_hpz.checkpointing.consolidate import consolidate
 from lightning_hpz.checkpointing.manifest import file_digest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+TRAIN_START_MARKER = "/hpz-trace-marker-train-start"  # statted by checkpoint_training.py once the load is over
 
 DAMAGED_FILES = {
     "model_states": "checkpoint/zero_pp_rank_0_mp_rank_00_model_states.pt",
@@ -114,6 +116,9 @@ def moved_up(moved_down, written, module_tmp):
     ]
     for job in jobs:
         job["exact_resume"] = False  # a resize: see test_resize_under_exact_resume_is_refused
+    # job 3: the 4-rank ZeRO-3 step-4 checkpoint resumed on 4 ranks and saved again at step 6, its file calls traced
+    traced = {"stage": 3, "hpz": 2, "max_steps": 6, "ckpt_path": str(ckpts / "step=4.ckpt"), "trace_files": True}
+    jobs.append({**traced, "ckpt_dir": str(module_tmp / "ckpts_traced")})
     options = {"devices": 4, "ckpt_dir": str(module_tmp / "ckpts_up"), "jobs": jobs}
     return run_script("checkpoint_training.py", options, module_tmp / "up", timeout=400, ranks=4)
 
@@ -241,6 +246,27 @@ def test_two_to_four_ranks_resumes_identical_weights_and_trains(moved_up, writte
     losses = jobs[0][job]["losses"]
     assert sorted(int(step) for step in losses) == steps
     assert all(math.isfinite(loss) for loss in losses.values())
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (apt-get install strace)")
+def test_ranks_touch_only_their_own_shards_when_saving_and_loading(moved_up, module_tmp):
+    # at 1,024 ranks a save that lists or stats every rank's files costs N^2 metadata operations: each rank > 0 must
+    # touch its own shards only (rank 0 assembles the manifest); loading, DeepSpeed's own existence checks of the
+    # other ranks' optimizer shards (N-1, `_get_all_zero_checkpoint_names`) are all it may add
+    jobs = _jobs(moved_up, 4)
+    assert [(rank_jobs[3]["start_step"], rank_jobs[3]["end_step"]) for rank_jobs in jobs] == [(4, 6)] * 4
+    existence_check = re.compile(r"\d+\s+(newfstatat|stat|lstat|statx|access|faccessat2?)\(")
+    for rank in range(1, 4):
+        lines = (module_tmp / "up" / f"strace_job3_rank{rank}.txt").read_text().splitlines()
+        train_start = next(i for i, line in enumerate(lines) if TRAIN_START_MARKER in line)
+        load, train = lines[:train_start], lines[train_start:]
+        others = re.compile(rf"zero_pp_rank_(?!{rank}_)\d+_")
+        assert [line for line in train if others.search(line)] == []
+        checks = [line for line in load if others.search(line)]
+        assert len(checks) <= 3 and all(existence_check.match(line) for line in checks), checks
+        own = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # read when loading, written when saving
+        assert any(own in line and "openat" in line and "O_RDONLY" in line for line in load)
+        assert any(own in line and "openat" in line and "O_WRONLY" in line for line in train)
 
 
 def test_resize_under_exact_resume_is_refused(moved_down):

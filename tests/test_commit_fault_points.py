@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_hpz.checkpointing.commit import committed_save
+from lightning_hpz.checkpointing.commit import committed_save, wait_for_old_copy_deletion
 from lightning_hpz.checkpointing.commit_repair import repair_interrupted_commit
 from lightning_hpz.checkpointing.fault_points import COMMIT_POINTS, FAULT_POINT_ENV_VAR
 from lightning_hpz.checkpointing.manifest import read_manifest, verify_files
@@ -95,6 +95,7 @@ def _interrupt_second_commit(final: Path) -> Path:
         if step == 2:
             kept = final.parent / "step2.copy"
             shutil.copytree(final, kept)
+    wait_for_old_copy_deletion()  # step 2's copy, replaced, is deleted in the background
     staged = final.parent / ".hpz-staging" / "last.ckpt.partial"
     staged.parent.mkdir(exist_ok=True)
     final.rename(staged)

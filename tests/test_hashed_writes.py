@@ -29,13 +29,11 @@ def test_shards_are_hashed_as_written_and_only_latest_is_read_back(tmp_path, mon
     monkeypatch.setattr(manifest, "digests", lambda root, names: read_back.extend(names) or reread(root, names))
     state = {"w": torch.randn(3, 1000), "step": 7, "nested": {"b": torch.arange(5)}}
     final = tmp_path / "last.ckpt"
-    with commit.committed_save(final, {"global_step": 7}) as staging:
+    with commit.committed_save(final, {"global_step": 7}, engine) as staging:
         (staging / "checkpoint").mkdir(parents=True)
-        with hashing_writes(engine, staging) as writes:
-            engine.checkpoint_engine.save(state, str(staging / SHARD))
-        assert engine.checkpoint_engine is inner  # the wrapper is gone after the save
+        engine.checkpoint_engine.save(state, str(staging / SHARD))
         (staging / "latest").write_text("checkpoint")  # DeepSpeed writes it with open(), not through the engine
-        commit.hashed_while_written(staging, writes.digests)
+    assert engine.checkpoint_engine is inner  # the wrapper is gone after the save
     assert read_back == ["latest"]
     recorded = read_manifest(final)
     assert recorded["files"][SHARD] == file_digest(final / SHARD)  # what was hashed is what lies on disk
@@ -76,12 +74,10 @@ def test_latest_is_written_by_the_commit_not_by_deepspeed(tmp_path):
     # rank 0 writes `latest` alone, just before DeepSpeed's barrier: failing there, it would hang the other ranks
     engine = _EngineWithSave()
     final = tmp_path / "last.ckpt"
-    with commit.committed_save(final, {"global_step": 1}) as staging:
+    with commit.committed_save(final, {"global_step": 1}, engine) as staging:
         (staging / "checkpoint").mkdir(parents=True)
-        with hashing_writes(engine, staging) as writes:
-            engine.save_checkpoint(staging, tag="checkpoint", client_state={})
-            assert not (staging / "latest").exists()
-        commit.hashed_while_written(staging, writes.digests, writes.failures, writes.latest_tag)
+        engine.save_checkpoint(staging, tag="checkpoint", client_state={})
+        assert not (staging / "latest").exists()
     assert engine.asked_for_latest == [False] and "save_checkpoint" not in vars(engine)  # the method is back
     assert (final / "latest").read_text() == "checkpoint"
     recorded = read_manifest(final)

@@ -12,6 +12,8 @@ import shutil
 import pytest
 from conftest import assert_succeeded, run_script
 
+from lightning_hpz.checkpointing import read_manifest
+
 pytest.importorskip("litgpt")
 pytestmark = pytest.mark.multiprocess
 
@@ -56,8 +58,16 @@ def test_pretrain_resumes_from_its_own_checkpoint(module_tmp, pretrain_hpz2):
     shutil.copytree(module_tmp / "pretrain_hpz2" / "litgpt", resumed / "litgpt")
     for later in ("step-00000004", "final"):
         shutil.rmtree(resumed / "litgpt" / later)
+    # what an earlier DDP run into the same out_dir leaves: `final/lit_model.pth` as a file; and a stale `.partial`
+    # file in the staging folder. The final save replaces both and reports what is on disk (issue 41)
+    final = resumed / "litgpt" / "final"
+    (final / ".hpz-staging").mkdir(parents=True)
+    (final / "lit_model.pth").write_bytes(b"a DDP run's state dict")
+    (final / ".hpz-staging" / "lit_model.pth.partial").write_bytes(b"left by a killed save")
     # LitGPT refuses an initial checkpoint together with a resume
     run = _pretrain(module_tmp, "pretrain_resumed", strategy="hpz", hpz=2, resume="auto", initial_checkpoint=False)
+    assert read_manifest(final / "lit_model.pth")["run"]["world_size"] == RANKS
+    assert not (final / ".hpz-staging").exists()
     assert "Resuming training from" in run.output and "step-00000002" in run.output
     for rank in range(RANKS):
         iterations = [entry["iter"] for entry in run.ranks[rank]["logged"] if "loss" in entry]

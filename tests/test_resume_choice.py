@@ -13,10 +13,15 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_hpz import HpzStrategy
-from lightning_hpz.checkpointing import resume_by_name
+from lightning_hpz.checkpointing import manifest, resume_by_name
 from lightning_hpz.checkpointing.commit import committed_save
 from lightning_hpz.checkpointing.manifest import MANIFEST_NAME
-from lightning_hpz.checkpointing.resume_choice import CommittedCheckpoint, choose, committed_checkpoints
+from lightning_hpz.checkpointing.resume_choice import (
+    CommittedCheckpoint,
+    choose,
+    choose_complete,
+    committed_checkpoints,
+)
 from lightning_hpz.checkpointing.staging import replaced_path, staging_path
 
 RUN = {"stage": 3, "world_size": 1, "hpz_partition_size": 1, "epoch": 0, "optimizer": "AdamW"}
@@ -52,7 +57,7 @@ def test_nothing_committed_leaves_lightnings_choice(tmp_path):
     assert choose(None, []) is None
 
 
-def test_only_complete_committed_checkpoints_compete(tmp_path):
+def test_only_complete_committed_checkpoints_compete(tmp_path, monkeypatch):
     _commit(tmp_path / "hpc_ckpt_1.ckpt", 10)
     damaged = _commit(tmp_path / "last.ckpt", 30)
     shard = damaged / "checkpoint" / "mp_rank_00_model_states.pt"
@@ -63,7 +68,12 @@ def test_only_complete_committed_checkpoints_compete(tmp_path):
     _commit(tmp_path / "elsewhere" / "step=40.ckpt", 40).rename(staged)
     (tmp_path / "notes.ckpt").write_text("a file")
     found = committed_checkpoints([tmp_path, tmp_path / "missing"])
-    assert [(c.path.name, c.step) for c in found] == [("hpc_ckpt_1.ckpt", 10)]
+    assert [(c.path.name, c.step) for c in found] == [("hpc_ckpt_1.ckpt", 10), ("last.ckpt", 30)]  # manifests only
+    statted = []
+    monkeypatch.setattr(manifest, "verify_files", lambda folder, *args, **kwargs: statted.append(folder.name) or [])
+    assert choose_complete(None, found) == tmp_path / "last.ckpt" and statted == ["last.ckpt"]  # the chosen alone
+    monkeypatch.undo()
+    assert choose_complete(None, found) == tmp_path / "hpc_ckpt_1.ckpt"  # the damaged newer one, statted, loses
 
 
 def _trainer(root):

@@ -5,26 +5,36 @@ copies wait in the staging folder. The repair rolls forward only when the staged
 by checksum, not by size alone: rolling forward deletes the old copy, so a staged shard of the right size but wrong
 bytes would cost both. The checksums are shared by the ranks, balanced by bytes (:func:`staged_copy_verifies`), so no
 rank hashes a large checkpoint alone while the others wait in a timed collective.
+
+Whoever loads next repairs first: a resume by name the run's folders (:func:`repair_folders`), an explicit
+``ckpt_path`` its own path (:func:`repair_before_load`), and the next save of that name (``commit.py``). Nothing is
+touched while another job holds the folder's writer lock: its commit may still be under way.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
+import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_hpz import collectives, durability
-from lightning_hpz.checkpointing import manifest
+from lightning_hpz.checkpointing import manifest, writer_lock
 from lightning_hpz.checkpointing.rank_agreement import on_rank_zero, problems_found_together
-from lightning_hpz.checkpointing.staging import REPLACED_SUFFIX, STAGING_FOLDER, replaced_path, staging_path
+from lightning_hpz.checkpointing.staging import (
+    REPLACED_SUFFIX,
+    STAGING_FOLDER,
+    remove_path,
+    replaced_path,
+    staging_path,
+)
 
 log = logging.getLogger(__name__)
 
 
 def interrupted(final: Path) -> bool:
     """A commit of ``final`` stopped with a copy moved aside (or a finished one not yet cleaned up)."""
-    return replaced_path(Path(final)).exists()
+    return os.path.lexists(replaced_path(Path(final)))
 
 
 def repair_interrupted_commit(final: Path, staged_verifies: Optional[bool] = None) -> str:
@@ -34,12 +44,12 @@ def repair_interrupted_commit(final: Path, staged_verifies: Optional[bool] = Non
     here, every file by checksum.
     """
     final, staging, replaced = Path(final), staging_path(Path(final)), replaced_path(Path(final))
-    if final.exists():
-        if replaced.exists():  # the new copy made it; the old one was not deleted yet
-            shutil.rmtree(replaced)
+    if os.path.lexists(final):
+        if os.path.lexists(replaced):  # the new copy made it; the old one was not deleted yet
+            remove_path(replaced)
             return "deleted the copy a finished commit had moved aside"
         return ""
-    if not replaced.exists():
+    if not os.path.lexists(replaced):
         return ""
     if staged_verifies is None:
         recorded = manifest.complete_manifest(staging)
@@ -52,8 +62,8 @@ def repair_interrupted_commit(final: Path, staged_verifies: Optional[bool] = Non
         what = "rolled back to the previous copy (the staged one was incomplete or did not verify)"
     durability.persist_directory(final.parent)  # the repair survives a power loss before the old copy goes
     durability.persist_directory(staging.parent)
-    if replaced.exists():
-        shutil.rmtree(replaced)
+    if os.path.lexists(replaced):
+        remove_path(replaced)
     return what
 
 
@@ -94,3 +104,35 @@ def repair_together(finals: list[Path]) -> dict[Path, str]:
             log.warning("Checkpoint %s: its save was interrupted while committing; %s.", final, what)
             done[final] = what
     return done
+
+
+def repair_folders(folders: list[Path]) -> None:
+    """Collective: repair every interrupted commit in rank 0's ``folders`` (the other ranks' are ignored)."""
+
+    def interrupted_here() -> list[Path]:
+        finals: list[Path] = []
+        for folder in folders:
+            if not _another_job_writes(folder):
+                finals += interrupted_commits_in(folder)
+        return finals
+
+    finals = on_rank_zero(interrupted_here, f"Cannot look for interrupted commits in {folders}")
+    repair_together(finals)
+
+
+def repair_before_load(checkpoint_path: Any) -> None:
+    """Collective: repair an interrupted commit of ``checkpoint_path`` (a local path) before it is read."""
+    path = Path(checkpoint_path)
+    wanted = collectives.rank() == 0 and "://" not in str(checkpoint_path)
+    # whether it was interrupted is repair_together's to find (an error there reaches every rank)
+    repair_together([path] if wanted and not _another_job_writes(path.parent) else [])
+
+
+def _another_job_writes(folder: Path) -> bool:
+    try:
+        holder = writer_lock.held_by_another_job(folder)
+    except OSError:  # the folder cannot be read: repair_together reports it on every rank
+        return False
+    if holder is not None:
+        log.warning("Not repairing interrupted commits in %s: job %s may still be writing it.", folder, holder)
+    return holder is not None

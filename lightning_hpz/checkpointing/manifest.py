@@ -53,9 +53,10 @@ def digest_problem(where: Any, expected: dict[str, Any], found: dict[str, Any]) 
 def checkpoint_files(checkpoint_dir: Path) -> list[str]:
     """Every file DeepSpeed wrote for the checkpoint that a resume reads, relative to ``checkpoint_dir``, sorted: the
     tag folder's, and ``latest`` (the tag a resume opens)."""
-    tag_dir = checkpoint_dir / DEEPSPEED_TAG
-    names = [str(p.relative_to(checkpoint_dir)) for p in tag_dir.rglob("*") if p.is_file()]
-    return sorted(names + [LATEST_NAME] * (checkpoint_dir / LATEST_NAME).is_file())
+    names = []
+    for folder, _, files in os.walk(Path(checkpoint_dir) / DEEPSPEED_TAG):  # the listing's file types: no stat each
+        names += [os.path.relpath(os.path.join(folder, name), checkpoint_dir) for name in files]
+    return sorted(names + [LATEST_NAME] * (Path(checkpoint_dir) / LATEST_NAME).is_file())
 
 
 def balanced_share(sizes: dict[str, int], rank: int, world_size: int) -> list[str]:
@@ -78,6 +79,19 @@ def files_written_by(checkpoint_dir: Path, rank: int, world_size: int) -> list[s
         if (int(match.group(1)) if match else 0) % world_size == rank:
             owned.append(name)
     return owned
+
+
+def files_read_by(names: list[str], rank: int) -> list[str]:
+    """Of a checkpoint's ``names``, those ``rank`` reads when it resumes on the same number of ranks: its own shards
+    (``zero_pp_rank_<rank>_``) and the shared files (no rank in the name: ``latest``, ZeRO-1/2's model states).
+    DeepSpeed only checks that the other ranks' optimizer shards exist (it reads them all only with ZeRO's
+    ``elastic_checkpoint``)."""
+    mine = []
+    for name in names:
+        match = _RANK_IN_NAME.search(Path(name).name)
+        if match is None or int(match.group(1)) == rank:
+            mine.append(name)
+    return mine
 
 
 def digests(checkpoint_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:

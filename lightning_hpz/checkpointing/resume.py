@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hpz import collectives, lightning_internals
-from lightning_hpz.checkpointing import compatibility, load_repair, manifest, universal
+from lightning_hpz.checkpointing import commit, commit_repair, compatibility, manifest, universal
 from lightning_hpz.checkpointing.errors import CheckpointIntegrityError, CheckpointMismatchError
 from lightning_hpz.checkpointing.rank_agreement import agreed, problems_found_together
 
@@ -29,23 +30,33 @@ def prepare_load(
 ) -> tuple[Path, contextlib.AbstractContextManager]:
     """The directory DeepSpeed should load into ``engine``, and the context to load it in; raises on every rank if it
     must not. ``module`` holds the parameters by the names the manifest records (see ``compatibility.describe_run``);
-    ``keep_data_order``: the resume must repeat the data order, so another number of ranks is refused."""
+    ``keep_data_order``: the resume must repeat the data order, so another number of ranks is refused.
+
+    The one load path of the Trainer's and Fabric's strategies. On the same number of ranks each rank checksums only
+    the files it will read (:func:`_own_files_verified`), and DeepSpeed reads them from the mappings that were hashed.
+    """
+    commit.wait_for_old_copy_deletion()  # a load right after a save (`fit`, then `test`) meets no half-deleted copy
     path = Path(checkpoint_path)
-    load_repair.repair_before_load(path)  # a path caught between the two renames of its commit exists again
+    commit_repair.repair_before_load(path)  # a path caught between the two renames of its commit exists again
     # Lightning's own check first: a wrong path gets its guidance (a subfolder or a file inside a checkpoint: "try
     # to load using this parent directory instead"), the same FileNotFoundError as with Lightning's strategy
     lightning_internals.validate_checkpoint_directory(path)
     recorded = manifest.read_manifest(path)
-    if recorded is None:
-        rank_zero_warn(NO_MANIFEST_WARNING.format(path=path))
-        saved = _saved_run_without_manifest(path)
-    else:
-        verify_integrity(path, recorded)
-        saved = recorded["run"]
     current = compatibility.describe_run(strategy, module, engine)
-    refuse_mismatches(path, saved, current, strategy)
+    mappings, verified = contextlib.ExitStack(), {}
+    with _closed_on_error(mappings):
+        if recorded is None:
+            rank_zero_warn(NO_MANIFEST_WARNING.format(path=path))
+            saved = _saved_run_without_manifest(path)
+        else:
+            saved = recorded["run"]
+            if saved.get("world_size") in (None, current["world_size"]):
+                verified = _own_files_verified(path, recorded, mappings)
+            else:  # converted for this number of ranks: every file is read, a share by each rank
+                verify_integrity(path, recorded)
+        refuse_mismatches(path, saved, current, strategy)
     if saved.get("world_size") in (None, current["world_size"]):
-        return path, _verifying_reads(strategy, engine, path, recorded)
+        return path, _verifying_reads(strategy, engine, path, recorded, verified, mappings)
     # the optimizer first: no setting makes its state convertible, while the data order is one flag away
     refuse_unconvertible_optimizer(path, saved)
     refuse_inexact_resize(path, saved["world_size"], current["world_size"], keep_data_order)
@@ -53,6 +64,44 @@ def prepare_load(
     copy = universal.universal_copy(path)
     verify_universal_copy(copy)
     return copy, _universal_resume(engine, saved.get("param_groups"))
+
+
+@contextlib.contextmanager
+def _closed_on_error(stack: contextlib.ExitStack) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        stack.close()
+        raise
+
+
+def _own_files_verified(path: Path, recorded: dict[str, Any], mappings: contextlib.ExitStack) -> dict[str, Any]:
+    """Collective: each rank checksums the files it will read (its own shards and the shared ones: never another
+    rank's), keeping each mapped for the load; a damaged one is refused on every rank alike. The mappings by name."""
+    verified, problems = {}, []
+    for name in manifest.files_read_by(list(recorded["files"]), collectives.rank()):
+        expected = recorded["files"][name]
+        try:
+            if not expected["size"] or not (path / name).is_file():  # nothing to map; or missing, named as such
+                problem = manifest.file_problem(path, name, expected)
+            else:
+                with open(path / name, "rb") as stream:
+                    mapping = mappings.enter_context(mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ))
+                problem = manifest.digest_problem(path / name, expected, manifest.buffer_digest(mapping))
+                verified[name] = mapping
+        except OSError as error:  # raised on this rank alone, the others would wait in the gather
+            problem = f"{path / name}: cannot be read ({error})"
+        if problem:
+            problems.append(problem)
+    found = collectives.gather_object(problems)
+    report = None
+    if found is not None and any(found):
+        merged = list(dict.fromkeys(problem for part in found for problem in part))
+        report = manifest.damage_report(path, merged)
+    report = collectives.broadcast_object(report)
+    if report is not None:
+        raise CheckpointIntegrityError(report)
+    return verified
 
 
 def verify_universal_copy(copy: Path) -> None:
@@ -72,13 +121,17 @@ def verify_universal_copy(copy: Path) -> None:
 
 
 @contextlib.contextmanager
-def _verifying_reads(strategy: Any, engine: Any, path: Path, recorded: Any) -> Iterator[None]:
-    """Each file DeepSpeed reads into ``engine`` is checked again from the bytes it loads (the check above read them
-    by path); the strategy's ``files_verified_in_load`` then names them, in the order they were read."""
+def _verifying_reads(
+    strategy: Any, engine: Any, path: Path, recorded: Any, verified: dict[str, Any], mappings: contextlib.ExitStack
+) -> Iterator[None]:
+    """Each file DeepSpeed reads into ``engine`` is read from its ``verified`` mapping, or checked as it is read (a
+    file this rank was not expected to read); the strategy's ``files_verified_in_load`` then names them, in the order
+    they were read. The mappings are closed after the load."""
     from lightning_hpz.partitioning import verifying_reads
 
     sizes = {name: int(entry["size"]) for name, entry in recorded["files"].items()} if recorded else None
-    with verifying_reads(engine, path, sizes, functools.partial(_check_loaded_bytes, path, recorded)) as reads:
+    check = functools.partial(_check_loaded_bytes, path, recorded)
+    with mappings, verifying_reads(engine, path, sizes, check, verified) as reads:
         yield
     strategy.files_verified_in_load = reads.verified if reads is not None else []
 

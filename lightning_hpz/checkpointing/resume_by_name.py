@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_hpz import lightning_internals
-from lightning_hpz.checkpointing import load_repair, resume_choice
+from lightning_hpz.checkpointing import commit_repair, resume_choice
 from lightning_hpz.checkpointing.rank_agreement import on_rank_zero
 
 
@@ -101,7 +101,7 @@ def choose(trainer: Any) -> None:
     failure, errors = f"Cannot choose the checkpoint for ckpt_path={by_name.name!r}", (OSError, ValueError)
     folders = on_rank_zero(lambda: run_folders(trainer), failure, errors)
     # the ranks repair together (each verifies a share of a staged copy), then rank 0 chooses
-    load_repair.repair_folders(folders)
+    commit_repair.repair_folders(folders)
     by_name.path = on_rank_zero(lambda: _choose_on_rank_zero(by_name, folders), failure, errors)
     by_name.chosen = True
 
@@ -129,7 +129,7 @@ def _choose_on_rank_zero(by_name: ResumeByName, folders: list[Path]) -> Optional
         warnings.simplefilter("always")
         lightning_choice = by_name.lightning_choice()
     committed = resume_choice.committed_checkpoints(folders)
-    chosen = resume_choice.choose(Path(lightning_choice) if lightning_choice else None, committed)
+    chosen = resume_choice.choose_complete(Path(lightning_choice) if lightning_choice else None, committed)
     if chosen is None or str(chosen) == str(lightning_choice):
         for caught in held:
             warnings.warn_explicit(caught.message, caught.category, caught.filename, caught.lineno)

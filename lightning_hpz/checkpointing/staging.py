@@ -7,6 +7,7 @@ requeued job to a ``hpc_ckpt_3.ckpt`` that does not exist.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 STAGING_FOLDER = ".hpz-staging"
@@ -20,3 +21,11 @@ def staging_path(final: Path) -> Path:
 
 def replaced_path(final: Path) -> Path:
     return final.parent / STAGING_FOLDER / (final.name + REPLACED_SUFFIX)
+
+
+def remove_path(path: Path) -> None:
+    """Remove whatever is at ``path``: a folder (a checkpoint), a file or a link (another strategy's checkpoint)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)

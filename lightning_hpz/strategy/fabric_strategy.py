@@ -13,7 +13,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from typing_extensions import override
 
 from lightning_hpz import partitioning
-from lightning_hpz.checkpointing import commit, compatibility, resume, writer_lock
+from lightning_hpz.checkpointing import commit, compatibility, resume
 from lightning_hpz.lifecycle.polled_preemption import PolledPreemption
 from lightning_hpz.lightning_internals import (
     FabricDeepSpeedHooks,
@@ -299,11 +299,8 @@ class HpzFabricStrategy(HpzSetup, FabricDeepSpeedHooks):
             return
         path = Path(self.broadcast(path))
         run = compatibility.describe_run(self, engine.module, engine, global_step=engine.global_steps)
-        with commit.committed_save(path, run) as staging:
-            with partitioning.hashing_writes(engine, staging) as writes:  # each shard checksummed as it is written
-                super().save_checkpoint(staging, state)
-            if writes is not None:
-                commit.hashed_while_written(staging, writes.digests, writes.failures, writes.latest_tag)
+        with commit.committed_save(path, run, engine) as staging:
+            super().save_checkpoint(staging, state)
         self.committed_checkpoint = str(path)  # named if a lost peer ends the run (peer_watchdog.py)
 
     @override
@@ -328,7 +325,7 @@ class HpzFabricStrategy(HpzSetup, FabricDeepSpeedHooks):
         self._close_open_writes()
         if self._preemption is not None:  # the handlers in place before set-up are back
             self._preemption.uninstall()
-        writer_lock.release_all()  # the checkpoint folders this run claimed are free for the next job
+        commit.finish_saves()  # the checkpoint folders this run claimed are free for the next job
         super().teardown()
 
     @override

@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_hpz import collectives, lightning_internals, partitioning
-from lightning_hpz.checkpointing import commit, compatibility, resume, resume_by_name, writer_lock
+from lightning_hpz.checkpointing import commit, compatibility, resume, resume_by_name
 from lightning_hpz.checkpointing.errors import CheckpointRefusedError, CheckpointStorageError
 from lightning_hpz.checkpointing.preemption_retention import (
     DEFAULT_KEEP,
@@ -231,7 +231,7 @@ class HpzStrategy(HpzSetup, TrainerDeepSpeedHooks):
             preemption, self._preemption = self._preemption, None
             if preemption is not None:  # the handlers in place before set-up are back
                 preemption.close_window()
-            writer_lock.release_all()  # the checkpoint folders this run claimed are free for the next job
+            commit.finish_saves()  # the checkpoint folders this run claimed are free for the next job
             watch, self._peer_watch = self._peer_watch, None
             if watch is not None:
                 watch.join()
@@ -294,11 +294,8 @@ class HpzStrategy(HpzSetup, TrainerDeepSpeedHooks):
         step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
         run = compatibility.describe_run(self, self.lightning_module, self.model, step, epoch)
         started = time.monotonic()
-        with commit.committed_save(Path(filepath), run) as staging:  # visible at `filepath` once complete
-            with partitioning.hashing_writes(self.model, staging) as writes:  # each shard checksummed as it is written
-                super().save_checkpoint(checkpoint, staging, storage_options)
-            if writes is not None:
-                commit.hashed_while_written(staging, writes.digests, writes.failures, writes.latest_tag)
+        with commit.committed_save(Path(filepath), run, self.model) as staging:  # visible at `filepath` once complete
+            super().save_checkpoint(checkpoint, staging, storage_options)
         self.committed_checkpoint = str(filepath)  # named if a lost peer ends the run (peer_watchdog.py)
         if self.handle_preemption:
             self._save_deadline.observe(time.monotonic() - started)

@@ -6,12 +6,18 @@ Every 2 steps ``ModelCheckpoint`` saves (``save_last=True``) into the job's ``ck
 ``options["ckpt_dir"]``). ``kill_rank`` dies half-way through writing its optimizer shard of the checkpoint at
 ``kill_step``. Each rank writes ``rank<r>.json``: per job the step it resumed at, the losses, or the error it raised;
 rank 0 also saves the full fp32 weights it resumed with, and, for a job with ``"moments": true``, Adam's full
-moments (every rank's shards joined) at the start and before each save (``moments_job<i>_step<s>.pt``).
+moments (every rank's shards joined) at the start and before each save (``moments_job<i>_step<s>.pt``). A job with
+``"trace_files": true`` runs under ``strace -f -e trace=%file`` attached to each rank's own process
+(``strace_job<i>_rank<r>.txt``); the rank stats ``TRAIN_START_MARKER`` at ``on_train_start``, so the lines before it
+are the set-up and the checkpoint load, those after it the training and the saves.
 """
 
+import contextlib
 import json
 import os
+import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -23,6 +29,8 @@ from torch.utils.data import DataLoader
 from toy_training import RegressionData, ToyRegressor
 
 import lightning_hpz
+
+TRAIN_START_MARKER = "/hpz-trace-marker-train-start"
 
 
 class TwoGroupRegressor(ToyRegressor):
@@ -50,6 +58,8 @@ class ResumeRecorder(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         import deepspeed
 
+        if self.job.get("trace_files"):
+            os.path.exists(TRAIN_START_MARKER)  # a stat in the trace: the load is over, the training begins
         self.record["start_step"] = trainer.global_step
         groups = trainer.strategy.model.optimizer.param_groups
         self.record["groups"] = [{key: group[key] for key in ("lr", "weight_decay", "betas")} for group in groups]
@@ -94,7 +104,35 @@ def _die_while_writing_optimizer_shard() -> None:
     torch.save = half_written_then_killed
 
 
+@contextlib.contextmanager
+def file_calls_traced(trace: Path):
+    """Every file-related system call of this process (all its threads, and those it starts) into ``trace``."""
+    me = os.getpid()
+    threads = [arg for tid in os.listdir(f"/proc/{me}/task") for arg in ("-p", tid)]
+    log = trace.with_suffix(".log")
+    tracer = subprocess.Popen(
+        ["strace", "-f", "-e", "trace=%file", "-o", str(trace), *threads],
+        stderr=open(log, "w"),  # noqa: SIM115
+    )
+    deadline = time.monotonic() + 30
+    while log.read_text().count("attached") < len(threads) // 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield
+    finally:
+        tracer.terminate()  # strace detaches and exits
+        tracer.wait(timeout=30)
+
+
 def fit(job: dict, options: dict, index: int) -> dict:
+    if not job.get("trace_files"):
+        return _fit(job, options, index)
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    with file_calls_traced(Path(options["out"]) / f"strace_job{index}_rank{rank}.txt"):
+        return _fit(job, options, index)
+
+
+def _fit(job: dict, options: dict, index: int) -> dict:
     L.seed_everything(0, verbose=False)
     out = Path(options["out"])
     recorder = ResumeRecorder(job, out, index)
