@@ -26,7 +26,7 @@ def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("lifetime")
     # 2 ranks as a user runs a script (whole interpreters: exit handlers run), rank 1 finishing 4 s after rank 0;
     # 4 ranks from the warm launcher, for the ledger only
-    two = {**OPTIONS, "devices": 2, "harness_rank": 1, "slower_s": 4.0}
+    two = {**OPTIONS, "devices": 2, "harness_rank": 1, "slower_s": 4.0, "saves": 2}
     runs = {
         2: run_script("fabric_run_lifetime.py", two, out / "two", timeout=300),
         4: run_script("fabric_run_lifetime.py", {**OPTIONS, "devices": 4}, out / "four", timeout=300, ranks=4),
@@ -43,6 +43,11 @@ def test_a_fabric_script_without_teardown_leaves_no_thread_and_a_slower_rank_exi
     assert {t["name"] for t in slower["threads"]} == {"lightning-hpz-heartbeat", "lightning-hpz-peer-judge"}
     assert all(t["daemon"] and t["stop"] for t in slower["threads_right_after_destroy"])  # the harness can stop them
     assert slower["threads_after_destroy"] == []
+    # the checkpoint writer's threads (lock heartbeat, deletion of the replaced copy) pass Lightning's harness too
+    police = run.ranks[0]["police"]
+    assert {t["name"] for t in police["found"]} >= {"hpz-writer-heartbeat"}, police
+    assert all(t["daemon"] and t["stop"] for t in police["found"]), police
+    assert police["left"] == [], police
     ended = json.loads((run.folder / "exit_of_rank0.json").read_text())
     assert ended["threads"] == []
     # rank 0 serves the store: at exit it waited for rank 1 to leave (about 4 s later), not for the whole timeout

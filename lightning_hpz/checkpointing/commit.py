@@ -23,11 +23,12 @@ Lightning (``ModelCheckpoint``'s paths, ``ckpt_path="last"``) never sees the par
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
@@ -43,7 +44,7 @@ from lightning_hpz.checkpointing.staging import remove_path, replaced_path, stag
 from lightning_hpz.partitioning.hashed_writes import HashedWrites, hashing_writes
 
 log = logging.getLogger(__name__)
-_deletion: Optional[threading.Thread] = None  # rank 0's deletion of the copy the last commit replaced
+_deletion: Optional[_Deletion] = None  # rank 0's deletion of the copy the last commit replaced
 
 
 @contextmanager
@@ -73,7 +74,7 @@ def wait_for_old_copy_deletion() -> None:
     global _deletion
     deletion, _deletion = _deletion, None
     if deletion is not None:
-        deletion.join()
+        deletion.stop()
 
 
 def _prepare(final: Path, staging: Path) -> None:
@@ -219,5 +220,19 @@ def _delete_in_background(old_copy: Path) -> None:
         with contextlib.suppress(OSError):  # still holding another save's files
             old_copy.parent.rmdir()
 
-    _deletion = threading.Thread(target=delete, name="lightning-hpz-replaced-copy-deletion")
+    _deletion = _Deletion(delete)
     _deletion.start()
+
+
+class _Deletion(threading.Thread):
+    """A daemon with ``stop()`` (finish the deletion), the contract by which Lightning's own test harness ends a thread
+    a Fabric script left running; joined at exit, so a script's last save still deletes what it replaced."""
+
+    def __init__(self, delete: Callable[[], None]) -> None:
+        super().__init__(target=delete, name="lightning-hpz-replaced-copy-deletion", daemon=True)
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        atexit.unregister(self.stop)
+        if self is not threading.current_thread():
+            self.join()

@@ -246,17 +246,28 @@ def _beat_once(stop: threading.Event) -> None:
                         partial.unlink(missing_ok=True)
 
 
+class _Heartbeat(threading.Thread):
+    """Renews this process's claims. A daemon with ``stop()``, the contract by which Lightning's own test harness
+    ends a thread a Fabric script left running (Fabric never calls the strategy's teardown)."""
+
+    def __init__(self, stopped: threading.Event, period: float) -> None:
+        super().__init__(name="hpz-writer-heartbeat", daemon=True)
+        self.stopped, self.period = stopped, period
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.period):
+            _beat_once(self.stopped)
+
+    def stop(self) -> None:
+        _stop_heartbeat()
+
+
 def _start_heartbeat() -> None:
     global _heartbeat
     if _heartbeat is not None:
         return
-    stop, period = threading.Event(), max(lease_seconds() / 10, 0.05)
-
-    def beat() -> None:
-        while not stop.wait(period):
-            _beat_once(stop)
-
-    thread = threading.Thread(target=beat, name="hpz-writer-heartbeat", daemon=True)
+    stop = threading.Event()
+    thread = _Heartbeat(stop, max(lease_seconds() / 10, 0.05))
     _heartbeat = (stop, thread)
     thread.start()
 

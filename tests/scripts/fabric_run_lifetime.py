@@ -13,6 +13,8 @@ whole interpreter, so interpreter exit runs as in a user's script) or from the w
   daemon with a ``stop``, the harness's contract) and after up to 3 s (none). The other ranks just end: the
   watchdog leaves at interpreter exit, and rank 0 writes ``exit_of_rank0.json`` from its last exit handler (threads
   still alive, seconds spent at exit waiting for the slower rank).
+- with ``saves``: every rank saves that many times after training (claiming the folder, replacing a copy), and the
+  rank 0 (the writer) then does what Lightning's harness does with the checkpoint threads left (``police``).
 """
 
 import atexit
@@ -31,12 +33,35 @@ import torch
 import lightning_hpz
 
 
-def package_threads() -> list[dict]:
+def _ours(thread: threading.Thread) -> bool:
+    return thread.name.startswith(("lightning-hpz", "hpz-"))
+
+
+def package_threads(watchdog_only: bool = True) -> list[dict]:
     return [
         {"name": t.name, "daemon": t.daemon, "stop": callable(getattr(t, "stop", None))}
         for t in threading.enumerate()
-        if t.name.startswith("lightning-hpz")
+        if _ours(t) and (not watchdog_only or (t.name.startswith("lightning-hpz-") and "deletion" not in t.name))
     ]
+
+
+def _checkpoint_threads() -> list[dict]:
+    watchdog = {t["name"] for t in package_threads()}
+    return [t for t in package_threads(watchdog_only=False) if t["name"] not in watchdog]
+
+
+def police_checkpoint_threads() -> dict:
+    """What Lightning's test harness does with the threads a test left, for the checkpoint writer's (the lock's
+    heartbeat, the deletion of a replaced copy; rank 0's alone): a daemon with ``stop`` is stopped, any other thread
+    fails the test. Returns those found, and those still alive 3 s after stopping them."""
+    found = _checkpoint_threads()
+    for thread in threading.enumerate():
+        if any(t["name"] == thread.name for t in found) and thread.daemon and callable(getattr(thread, "stop", None)):
+            thread.stop()
+    deadline = time.monotonic() + 3
+    while _checkpoint_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"found": found, "left": _checkpoint_threads()}
 
 
 def store_bytes(port: int) -> int:
@@ -86,6 +111,9 @@ def main(options: dict) -> None:
         if step in window:  # every rank at the same step: the steps' collectives keep them together
             record.setdefault("ledger", []).append(sample(watchdog, port) | {"time": time.monotonic()})
         time.sleep(options["step_s"])
+    if options.get("saves"):  # the writer lock's heartbeat runs from the first save, a replaced copy's deletion after
+        for _ in range(options["saves"]):
+            fabric.save(out / "checkpoint", {"model": model, "optimizer": optimizer})
     if fabric.global_rank == options.get("harness_rank"):
         time.sleep(options["slower_s"])
         torch.distributed.destroy_process_group()
@@ -96,6 +124,8 @@ def main(options: dict) -> None:
         record["threads_after_destroy"] = package_threads()
     elif "harness_rank" not in options:
         strategy.teardown()
+    if options.get("saves") and fabric.global_rank == 0:
+        record["police"] = police_checkpoint_threads()
     (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(record))
     finished.append(time.monotonic())
 
