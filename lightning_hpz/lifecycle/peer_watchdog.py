@@ -27,9 +27,9 @@ rank's abort does not wake the ranks of other nodes. Design, with the reasons:
   touches the network: when no store call has succeeded for ``timeout`` seconds, the store itself is unreachable. The
   store is served from rank 0's node, so that is how rank 0's node's loss, or a cut link seen from the other nodes,
   shows: the message names the store's address and rank 0's node.
-- **Lost after ``timeout`` seconds of silence, default 45 s.** Measured on the two-node testbed (README "Lost nodes
-  and cut links"): with the link slowed 100-fold (200 -> 2 Mbit/s) and full of ZeRO-3 all-gathers, the slowest
-  heartbeat round trip stayed near one second. Silence is counted only while the store answers: a store that stalls
+- **Lost after ``timeout`` seconds of silence, default 45 s.** On the two-node testbed with the link slowed 100-fold
+  and full of ZeRO-3 all-gathers, heartbeat round trips stay far below it (docs/operations.md, "Lost nodes and cut
+  links"). Silence is counted only while the store answers: a store that stalls
   for less than ``timeout`` (a busy rank 0, a brief network hiccup) delays everyone's beats alike and kills nothing.
   A peer that keeps beating is never declared lost, however slow its steps: the beats run beside training, so a
   long checkpoint save, the first step's compilation, or a slow link does not stop them (``torch.save`` releases the

@@ -1,7 +1,7 @@
 """Make DeepSpeed's ``cpu_adam`` op ready before any rank needs it when the optimizer is offloaded.
 
 With ``offload_optimizer`` DeepSpeed steps with ``DeepSpeedCPUAdam``, which JIT-compiles ``cpu_adam`` into the
-torch-extensions cache on first use (about 10 minutes on a loaded 2-core machine, nothing printed); a rank killed
+torch-extensions cache on first use (minutes on a small machine, with nothing printed); a rank killed
 during that build leaves a lock every later run waits on. It is built or loaded here under the protection of
 :mod:`extension_build`. There is no fallback without a compiler, so that stops the run with what to install.
 """

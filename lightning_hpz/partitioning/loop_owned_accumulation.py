@@ -8,9 +8,8 @@ times (inside ``fabric.no_backward_sync``) before one ``optimizer.step()``. Deep
 and 1 the reduction then happens once, at the step; under ZeRO 2 and 3 each backward still reduce-scatters into the
 gradient shards (holding only a shard is what saves their memory), and the step completes the sum.
 
-Without the mode, a Fabric loop that accumulates trains on the wrong gradient under ZeRO 1 and 2 (measured here, 2 CPU
-ranks, two micro-batches: the step's gradient norm was 1.58 where DDP's was 3.95; only the last micro-batch's
-gradient was kept).
+Without the mode, a Fabric loop that accumulates trains on the wrong gradient under ZeRO 1 and 2: only the last
+micro-batch's gradient is kept (``tests/test_loop_owned_accumulation.py`` compares the step's gradient with DDP's).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Every ZeRO optimizer steps a copy of its partition of the weights (fp32 "master"
 engine is built, also under fp32 training) and copies the result into the model's parameters. A load into the model
 after the engine exists (``fabric.load_raw``, ``model.load_state_dict``: LitGPT loads its initial checkpoint or
 fine-tuning weights that way) changes the parameters only: the next step starts from the stale copy and overwrites
-the load. Measured here with LitGPT's ``initial_checkpoint_dir`` on 4 CPU ranks: the first loss equal to DDP's, the
-losses after the first step apart by 1-4 %. DeepSpeed refreshes that copy itself only in its own module-only
+the load (LitGPT's ``initial_checkpoint_dir``: the first loss matches DDP's, every later one drifts from it;
+``tests/test_litgpt_loops.py``). DeepSpeed refreshes that copy itself only in its own module-only
 checkpoint load (``refresh_fp32_params``, DeepSpeed 0.16 to 0.19).
 """
 

@@ -30,8 +30,8 @@ The model follows the collectives the engine runs, not the paper's ratios:
   to the devices of a node, only that all-reduce crosses nodes. MiCS's ``mics_hierarchical_params_gather`` (for a
   group spanning ``k > 1`` nodes) gathers first across nodes among the group's ranks of equal local rank (each sends
   its shard to the ``k - 1`` others), then inside each node; DeepSpeed asserts the group spans more than one node.
-* torch's gloo backend runs ``reduce_scatter_tensor`` as a full all-reduce and keeps the local chunk: measured here
-  on 4 ranks, it put 6.0x the tensor's bytes on the loopback device, as much as ``all_reduce``. Pass
+* torch's gloo backend runs ``reduce_scatter_tensor`` as a full all-reduce and keeps the local chunk, so it
+  moves as many bytes as ``all_reduce`` (the loopback device's counters show it). Pass
   ``gradient_reduction="all_reduce"`` to model a gloo run; that is what makes hpZ's cross-node bytes 0.75 of ZeRO-3's
   on 2 nodes x 2 ranks (with NCCL's reduce-scatter it is 2/3).
 """
