@@ -7,6 +7,8 @@ from the session's warm launcher (``warm_launcher.py``), which saves each rank a
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +25,20 @@ os.environ.setdefault("LIGHTNING_HPZ_EMULATE_CUDA_SEMANTICS", "1")
 CUDA_SEMANTICS_OFF = {"LIGHTNING_HPZ_EMULATE_CUDA_SEMANTICS": "0"}
 SCRIPTS = Path(__file__).parent / "scripts"
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@functools.cache
+def import_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (once per test process), registered under ``name`` in ``sys.modules``,
+    where its dataclasses look their module up."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 # Parameters are released after forward and re-gathered in backward even for a tiny model, as in a 7B model:
 # otherwise DeepSpeed keeps them alive and hpZ is never exercised after the first step.
 REGATHER_EVERY_MODULE = {

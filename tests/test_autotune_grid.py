@@ -6,7 +6,6 @@ against a stand-in testbed and launcher, so nothing here needs root or starts a 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 from contextlib import nullcontext
@@ -14,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import import_benchmark
 
 from lightning_hpz.bench import autotune_grid as grid
 from lightning_hpz.bench import configurations, lightning_worker, testbed, worker
@@ -240,10 +240,7 @@ def test_markdown_shows_checks_pick_fastest_and_failures():
 
 # ------------------------------------------------------------------------------------------------------- the script
 def _script():
-    spec = importlib.util.spec_from_file_location("autotune_testbed", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_benchmark("autotune_testbed")
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,6 @@
 """The GPU acceptance script: its CUDA checks under ``pytest -m cuda`` on a GPU machine; anywhere else, its CPU
 stand-ins run and the CUDA checks are reported SKIP with the reason instead of failing."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import import_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_acceptance.py"
 CUDA_CHECKS = ["ordering_on_cuda_streams", "collectives_under_nccl", "trainer_on_one_gpu"]
@@ -16,11 +16,7 @@ CUDA_CHECKS_WITH_FOLDER = ["trainer_on_one_gpu", "litgpt_loops_on_one_gpu", "ini
 
 
 def _acceptance():
-    spec = importlib.util.spec_from_file_location("gpu_acceptance", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_acceptance"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return import_benchmark("gpu_acceptance")
 
 
 @pytest.mark.cuda

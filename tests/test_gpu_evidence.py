@@ -1,7 +1,6 @@
 """benchmarks/gpu_evidence.py in its tiny mode: every part's code path on CPU processes (the four-rank phase split is
 checked by tests/test_benchmark_sync_modes.py's plumbing run), and the JSON a GPU run will fill."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -10,17 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import import_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_evidence.py"
 PARTS = "throughput,sync_cost,trainer_stages,nccl_sync_modes"
 
 
 def _evidence():
-    spec = importlib.util.spec_from_file_location("gpu_evidence", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_evidence"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return import_benchmark("gpu_evidence")
 
 
 @pytest.fixture(scope="module")
