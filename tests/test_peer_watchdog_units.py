@@ -297,3 +297,26 @@ def test_rank_0_does_not_wait_for_a_peer_that_is_gone():
     watchdog._stopping.clear()
     watchdog.stop()
     assert time.monotonic() - started < 0.6  # silent for three intervals (0.3 s): gone, not waited for
+
+
+@pytest.mark.parametrize("environment", ["lightning", "torchelastic"])
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_only_a_child_of_lightnings_launcher_leaves_the_lost_code_to_its_launching_process(
+    environment, local_rank, monkeypatch
+):
+    # Lightning's child observer SIGKILLs the node when a child exits non-zero: the child exits 0, the launching
+    # process (local rank 0) 76; under torchrun, SLURM and the like every rank carries 76 itself
+    from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
+
+    from lightning_hpz.lifecycle.run_exit import started_by_lightning_launcher
+
+    class Strategy:
+        cluster_environment = LightningEnvironment() if environment == "lightning" else TorchElasticEnvironment()
+
+    Strategy.local_rank = local_rank
+    expected = environment == "lightning" and local_rank > 0
+    assert started_by_lightning_launcher(Strategy()) is expected
+    codes = []
+    monkeypatch.setattr(peer_watchdog.os, "_exit", codes.append)
+    peer_watchdog.exit_lost("lost", code=0 if expected else PEER_LOST_EXIT_CODE)
+    assert codes == [0 if expected else PEER_LOST_EXIT_CODE]

@@ -306,9 +306,10 @@ def _silence(silent: dict[int, float], tree: Tree) -> Optional[str]:
     return described + ": lost, or the link to it is cut"
 
 
-def exit_lost(message: str) -> None:
-    """Print ``message`` and end this process at once with :data:`PEER_LOST_EXIT_CODE` (no collective, no clean-up:
-    the main thread may be blocked in a collective that will never complete)."""
+def exit_lost(message: str, code: int = PEER_LOST_EXIT_CODE) -> None:
+    """Print ``message`` and end this process at once with ``code`` (no collective, no clean-up: the main thread may
+    be blocked in a collective that will never complete). ``code`` is 0 on a rank whose launching process reports
+    for the node (``run_exit.started_by_lightning_launcher``)."""
     if log.hasHandlers():  # a configured log file gets it too; stderr always does, below
         log.error(message)
     for stream in (sys.stdout, sys.stderr):
@@ -316,7 +317,7 @@ def exit_lost(message: str) -> None:
             stream.flush()
     with contextlib.suppress(OSError):
         os.write(2, (message + "\n").encode())  # unbuffered: nothing is flushed after os._exit
-    os._exit(PEER_LOST_EXIT_CODE)
+    os._exit(code)
 
 
 def store_address(store: Any) -> str:

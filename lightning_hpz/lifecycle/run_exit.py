@@ -91,9 +91,15 @@ class TrainingStopped(CoordinatedExit):
 
 def exit_code_for_rank(trainer: Any, code: int) -> int:
     """``code``, or 0 on a rank that Lightning's launcher started (its launching process reports for the node)."""
-    environment = getattr(trainer.strategy, "cluster_environment", None)  # single-device strategies have none
-    launched_by_lightning = isinstance(environment, LightningEnvironment)
-    return 0 if launched_by_lightning and trainer.local_rank > 0 else code
+    return 0 if started_by_lightning_launcher(trainer.strategy) else code
+
+
+def started_by_lightning_launcher(strategy: Any) -> bool:
+    """Whether this rank is a child of Lightning's own launcher (Trainer or Fabric), whose child observer SIGKILLs the
+    node's processes, the launching one included, within seconds of a child exiting non-zero: such a rank must exit
+    0 and leave the node's exit code to the launching process."""
+    environment = getattr(strategy, "cluster_environment", None)  # single-device strategies have none
+    return isinstance(environment, LightningEnvironment) and getattr(strategy, "local_rank", 0) > 0
 
 
 def _wait_at_exit_for_launched_ranks(trainer: Any, timeout: float = 120.0) -> None:

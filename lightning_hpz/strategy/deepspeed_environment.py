@@ -8,6 +8,7 @@ does the real work here, over gloo, after DeepSpeed has been told to use its CPU
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import warnings
 from typing import Any, Optional
@@ -17,6 +18,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_hpz import collectives, partitioning
 from lightning_hpz.lifecycle import peer_watchdog
+from lightning_hpz.lifecycle.run_exit import PEER_LOST_EXIT_CODE, started_by_lightning_launcher
 from lightning_hpz.strategy.testing import CudaEvaluationContext
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,9 @@ class DeepSpeedEnvironment:
         if self.peer_timeout is None or store is None or collectives.world_size() <= 1 or self.peer_watchdog:
             return
         devices_per_node = max(1, self.num_processes)  # Lightning numbers ranks node by node
+        # A child of Lightning's launcher that exited 76 would get its node SIGKILLed (exit 137) while the launching
+        # process still relays the loss; it exits 0, and the launching process (its node's leader) exits 76.
+        own_child = started_by_lightning_launcher(self)
         self.peer_watchdog = peer_watchdog.PeerWatchdog(
             store,
             rank=collectives.rank(),
@@ -102,6 +107,7 @@ class DeepSpeedEnvironment:
             interval=self.heartbeat_interval,
             checkpoint=lambda: self.committed_checkpoint,
             still_wanted=collectives.default_group_still_current(),  # Fabric and LitGPT never call teardown
+            on_lost=functools.partial(peer_watchdog.exit_lost, code=0 if own_child else PEER_LOST_EXIT_CODE),
         ).start()
 
     def _note_progress(self) -> None:
