@@ -18,7 +18,7 @@ quickstart: install
 # rendezvous, shaped links, timeouts under test), which the other file's work fills. TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 test: install
-	$(PYTHON) -m pytest tests $(if $(CI),,-m "not slow") -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(PYTHON) -m pytest tests $(if $(CI),,-m "not slow") -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The version subset in a fresh environment per supported DeepSpeed minor, Lightning minor and the newest torch
 # (tests/version_matrix.py, docs/versions.md): about 10 minutes per combination on 2 cores; not part of `make test`.
