@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -64,37 +63,32 @@ def _preempt(processes: list[subprocess.Popen], out: Path, signum: int) -> tuple
 
 @pytest.fixture(scope="module")
 def runs(module_tmp: Path) -> dict:
-    """The four launches at once (each mostly waits: imports, rendezvous, sleeping steps), each preempted by its own
-    thread as soon as it reaches step 3; the resume starts once the Lightning launch has exited."""
-    base, lightning, resumed = module_tmp / "uninterrupted", module_tmp / "lightning", module_tmp / "resumed"
-    torchrun = module_tmp / "torchrun"
-    # the reference runs alongside the preempted launches; nothing of it is timed
+    results: dict = {}
+    base = module_tmp / "uninterrupted"
+    # the reference runs alongside the preempted launches (they mostly sleep between steps); nothing of it is timed
     uninterrupted = _launch([sys.executable, SCRIPT, _options(base, step_seconds=0)], base)
+
+    lightning = module_tmp / "lightning"
     main = _launch([sys.executable, SCRIPT, _options(lightning, step_seconds=0.3)], lightning)
+    results["lightning"] = _preempt([main], lightning, signal.SIGTERM)
+    checkpoint = _record(lightning, 0)["checkpoint"]
+    resumed = module_tmp / "resumed"
+    results["resumed"] = _launch(
+        [sys.executable, SCRIPT, _options(resumed, step_seconds=0, resume_from=checkpoint)], resumed
+    ).wait(600)
+
+    torchrun = module_tmp / "torchrun"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT]
     agent = _launch([*command, _options(torchrun, step_seconds=0.3)], torchrun)
-    slurm_tasks = _slurm_launch(module_tmp / "slurm")
+    results["torchrun"] = _preempt([agent], torchrun, signal.SIGTERM)
 
-    def preempt_and_resume() -> tuple[list[int], float]:
-        preempted = _preempt([main], lightning, signal.SIGTERM)
-        checkpoint = _record(lightning, 0)["checkpoint"]
-        results["resumed"] = _launch(
-            [sys.executable, SCRIPT, _options(resumed, step_seconds=0, resume_from=checkpoint)], resumed
-        ).wait(600)
-        return preempted
-
-    results: dict = {}
-    with ThreadPoolExecutor(3) as pool:
-        lightning_run = pool.submit(preempt_and_resume)
-        torchrun_run = pool.submit(_preempt, [agent], torchrun, signal.SIGTERM)
-        slurm_run = pool.submit(_preempt, slurm_tasks, module_tmp / "slurm", signal.SIGUSR1)
-        results.update(lightning=lightning_run.result(), torchrun=torchrun_run.result(), slurm=slurm_run.result())
+    results["slurm"] = _slurm_run(module_tmp / "slurm")
     results["uninterrupted"] = uninterrupted.wait(600)
     results.update(base=base, lightning_out=lightning, resumed_out=resumed, torchrun_out=torchrun)
     return results
 
 
-def _slurm_launch(out: Path) -> list[subprocess.Popen]:
+def _slurm_run(out: Path) -> tuple[list[int], float]:
     """Two tasks started the way srun starts them (SLURM_* variables, no Lightning launcher); SLURM's --signal=USR1."""
     fake_bin = out / "bin"
     fake_bin.mkdir(parents=True)
@@ -112,7 +106,7 @@ def _slurm_launch(out: Path) -> list[subprocess.Popen]:
         "MASTER_PORT": str(free_port()),
         "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
     }
-    return [
+    tasks = [
         _launch(
             [sys.executable, SCRIPT, _options(out, step_seconds=0.3)],
             out,
@@ -120,6 +114,7 @@ def _slurm_launch(out: Path) -> list[subprocess.Popen]:
         )
         for rank in range(2)
     ]
+    return _preempt(tasks, out, signal.SIGUSR1)
 
 
 def test_sigterm_under_lightning_launcher_exits_75_with_a_committed_checkpoint(runs):
