@@ -16,7 +16,7 @@ from lightning_hpz.partitioning import EMULATION_ENV_VAR
 from lightning_hpz.strategy.config import merge_configs
 
 pytestmark = pytest.mark.multiprocess
-STEPS = 10
+STEPS = 20
 UNORDERED_STEPS = 4
 # `stage3_allgather_sequential` (DeepSpeed 0.18.5+) gathers each parameter on its own, from the secondary shards too
 SEQUENTIAL = merge_configs(REGATHER_EVERY_MODULE, {"zero_optimization": {"stage3_allgather_sequential": True}})
