@@ -200,6 +200,7 @@ def netns_marks() -> list:
 # idle cores, 2026-12-07), so that none starts late and runs alone at the end; the others follow, launching ones first.
 LONGEST_FILES = [
     "test_checkpoint_trust.py",  # 100 s
+    "test_gpu_evidence.py",  # 85 s: benchmarks/gpu_evidence.py --tiny starts a cold process per part
     "test_strategy_training.py",  # 80-90 s, with test_race_emulation.py (SHARES_LAUNCH_OF)
     "test_resume_by_name_runs.py",  # 78 s
     "test_hpz_combinations.py",  # 70 s
