@@ -196,22 +196,24 @@ def netns_marks() -> list:
 
 
 # `make test` runs two files at a time (pytest-xdist, `--dist loadfile --no-loadscope-reorder`: files start in the
-# order below, not xdist's default of most tests first). The longest files, longest first (wall seconds alone on 2
-# idle cores, 2026-12-07), so that none starts late and runs alone at the end; the others follow, launching ones first.
+# order below, not xdist's default of most tests first). The longest files, longest first (wall seconds of the file
+# run alone, on 2 cores shared with other work, 2026-12-07), so that none starts late and runs alone at the end; the
+# others follow, launching ones first.
 LONGEST_FILES = [
+    "test_killed_saves.py",  # 136 s: eleven cold launches of a job killed whole
     "test_checkpoint_trust.py",  # 100 s
-    "test_gpu_evidence.py",  # 85 s: benchmarks/gpu_evidence.py --tiny starts a cold process per part
     "test_strategy_training.py",  # 80-90 s, with test_race_emulation.py (SHARES_LAUNCH_OF)
+    "test_gpu_evidence.py",  # 85 s: benchmarks/gpu_evidence.py --tiny starts a cold process per part
     "test_resume_by_name_runs.py",  # 78 s
-    "test_hpz_combinations.py",  # 70 s
-    "test_bench_netns.py",  # 62 s
+    "test_hpz_three_nodes.py",  # 75 s: two 3-node jobs started as a user starts them
+    "test_peer_loss_netns.py",  # 74 s, mostly waiting out timeouts
+    "test_autotune_netns.py",  # 73 s
+    "test_hpz_combinations.py",  # 66 s
     "test_quickstart.py",  # 65 s, with test_hf_export.py
-    "test_peer_loss_netns.py",  # 60 s, mostly waiting out timeouts
+    "test_bench_netns.py",  # 62 s
     "test_preemption.py",  # 60 s
     "test_models_training.py",  # 56 s
     "test_callbacks_multiprocess.py",  # 56 s
-    "test_litgpt_loops.py",  # 47 s
-    "test_initial_weights.py",  # 43 s
 ]
 
 # Files that read a session-scoped launch of another file run on that file's worker, so the launch happens once.
