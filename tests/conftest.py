@@ -208,6 +208,7 @@ LONGEST_FILES = [
     "test_hpz_three_nodes.py",  # 75 s: two 3-node jobs started as a user starts them
     "test_peer_loss_netns.py",  # 74 s, mostly waiting out timeouts
     "test_autotune_netns.py",  # 73 s
+    "test_rank_failure.py",  # 70 s: Lightning's launcher and a peer's grace period, by design
     "test_hpz_combinations.py",  # 66 s
     "test_quickstart.py",  # 65 s, with test_hf_export.py
     "test_bench_netns.py",  # 62 s
