@@ -200,7 +200,6 @@ def netns_marks() -> list:
 # run alone, on 2 cores shared with other work, 2026-12-07), so that none starts late and runs alone at the end; the
 # others follow, launching ones first.
 LONGEST_FILES = [
-    "test_killed_saves.py",  # 136 s: eleven cold launches of a job killed whole
     "test_checkpoint_trust.py",  # 100 s
     "test_strategy_training.py",  # 80-90 s, with test_race_emulation.py (SHARES_LAUNCH_OF)
     "test_gpu_evidence.py",  # 85 s: benchmarks/gpu_evidence.py --tiny starts a cold process per part
@@ -210,6 +209,7 @@ LONGEST_FILES = [
     "test_autotune_netns.py",  # 73 s
     "test_rank_failure.py",  # 70 s: Lightning's launcher and a peer's grace period, by design
     "test_hpz_combinations.py",  # 66 s
+    "test_killed_saves.py",  # 60 s: eleven launches of a job killed whole
     "test_quickstart.py",  # 65 s, with test_hf_export.py
     "test_bench_netns.py",  # 62 s
     "test_preemption.py",  # 60 s
