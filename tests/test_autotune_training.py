@@ -10,6 +10,7 @@ import pytest
 from conftest import launch_nodes
 
 pytestmark = pytest.mark.multiprocess  # two nodes of 2 real ranks: it starts with the launching files, not last
+
 TUNED_KEYS = (
     "zero_hpz_partition_size",
     "stage3_max_live_parameters",
