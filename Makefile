@@ -15,10 +15,12 @@ quickstart: install
 # either way; the longest launches (marker `slow`) only where CI is set, as on CI: `CI=true make test` runs everything.
 # Two test files at a time (pytest-xdist, `--dist loadfile`: a file's tests and its module fixtures, most of them
 # launches of several processes, stay on one worker): a launch spends much of its time waiting (process start-up,
-# rendezvous, shaped links, timeouts under test), which the other file's work fills. TEST_WORKERS=0 runs serially.
+# rendezvous, shaped links, timeouts under test), which the other file's work fills. `--no-loadscope-reorder` starts
+# the files in the order tests/conftest.py gives them (longest first), not xdist's most-tests-first.
+# TEST_WORKERS=0 runs serially. docs/development.md says how the suite is scheduled.
 TEST_WORKERS ?= 2
 test: install
-	$(PYTHON) -m pytest tests $(if $(CI),,-m "not slow") -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(PYTHON) -m pytest tests $(if $(CI),,-m "not slow") -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The version subset in a fresh environment per supported DeepSpeed minor, Lightning minor and the newest torch
 # (tests/version_matrix.py, docs/versions.md): about 10 minutes per combination on 2 cores; not part of `make test`.

@@ -195,9 +195,55 @@ def netns_marks() -> list:
     ]
 
 
+# `make test` runs two files at a time (pytest-xdist, `--dist loadfile --no-loadscope-reorder`: files start in the
+# order below, not xdist's default of most tests first). The longest files, longest first (wall seconds of the file
+# run alone, on 2 cores shared with other work, 2026-12-07), so that none starts late and runs alone at the end; the
+# others follow, launching ones first.
+LONGEST_FILES = [
+    "test_checkpoint_trust.py",  # 100 s
+    "test_strategy_training.py",  # 80-90 s, with test_race_emulation.py (SHARES_LAUNCH_OF)
+    "test_gpu_evidence.py",  # 85 s: benchmarks/gpu_evidence.py --tiny starts a cold process per part
+    "test_resume_by_name_runs.py",  # 78 s
+    "test_hpz_three_nodes.py",  # 75 s: two 3-node jobs started as a user starts them
+    "test_peer_loss_netns.py",  # 74 s, mostly waiting out timeouts
+    "test_autotune_netns.py",  # 73 s
+    "test_rank_failure.py",  # 70 s: Lightning's launcher and a peer's grace period, by design
+    "test_hpz_combinations.py",  # 66 s
+    "test_killed_saves.py",  # 60 s: eleven launches of a job killed whole
+    "test_quickstart.py",  # 65 s, with test_hf_export.py
+    "test_bench_netns.py",  # 62 s
+    "test_preemption.py",  # 60 s
+    "test_models_training.py",  # 56 s
+    "test_callbacks_multiprocess.py",  # 56 s
+]
+
+# Files that read a session-scoped launch of another file run on that file's worker, so the launch happens once.
+SHARES_LAUNCH_OF = {"test_hf_export.py": "test_quickstart.py", "test_race_emulation.py": "test_strategy_training.py"}
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """The files with the longest launches first (a stable sort by file, so a module's tests stay together): with two
-    test files at a time (``make test``), no long file starts last and runs alone at the end."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    launching = {item.path for item in items if item.get_closest_marker("multiprocess")}
-    items.sort(key=lambda item: (item.path not in slow_files, item.path not in launching))
+    """LONGEST_FILES first, then the other files that launch processes, then the rest; a file sharing another's
+    launch right after that file. A stable sort by file: a module's tests stay together and in order."""
+    order = {name: i for i, name in enumerate(LONGEST_FILES)}
+
+    def lead(item) -> str:
+        return SHARES_LAUNCH_OF.get(item.path.name, item.path.name)
+
+    launching = {lead(item) for item in items if item.get_closest_marker("multiprocess")}
+    items.sort(key=lambda item: (order.get(lead(item), len(order)), lead(item) not in launching, lead(item)))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, with the files of SHARES_LAUNCH_OF scheduled as one unit with the file they share with."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedLaunchScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            name = path.rpartition("/")[2]
+            return path[: len(path) - len(name)] + SHARES_LAUNCH_OF.get(name, name)
+
+    return SharedLaunchScheduling(config, log)

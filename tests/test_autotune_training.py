@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 from conftest import launch_nodes
 
+pytestmark = pytest.mark.multiprocess  # two nodes of 2 real ranks: it starts with the launching files, not last
+
 TUNED_KEYS = (
     "zero_hpz_partition_size",
     "stage3_max_live_parameters",

@@ -22,7 +22,10 @@ def runs(module_tmp):
     cli_main(["prepare-data", "--source", str(source), "--tokenizer", "byte", "--out", str(prepared), "--quiet"])
     data = {"source": str(prepared), "sequence_length": 64, "batch_size": 4}
     full = run_script(
-        "prepared_data_training.py", {"data": data, "steps": STEPS, "checkpoint_at": CHECKPOINT_AT}, module_tmp / "full"
+        "prepared_data_training.py",
+        {"data": data, "steps": STEPS, "checkpoint_at": CHECKPOINT_AT},
+        module_tmp / "full",
+        ranks=2,
     )
     assert_succeeded(full, ranks=2)
     checkpoint = module_tmp / "full" / "mid_epoch.ckpt"
@@ -30,6 +33,7 @@ def runs(module_tmp):
         "prepared_data_training.py",
         {"data": data, "steps": STEPS, "resume_from": str(checkpoint)},
         module_tmp / "resumed",
+        ranks=2,
     )
     assert_succeeded(resumed, ranks=2)
     return full, resumed

@@ -12,7 +12,7 @@ import pytest
 from conftest import REGATHER_EVERY_MODULE, assert_succeeded, run_script
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-STEPS, SAVE_AT, CHECK_EVERY, REFRESH_AT = 20, 10, 5, 3
+STEPS, SAVE_AT, CHECK_EVERY, REFRESH_AT = 10, 5, 5, 3
 UNORDERED_STEPS = 4
 
 

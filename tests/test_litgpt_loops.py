@@ -106,8 +106,12 @@ def test_full_finetuning_trains_as_ddp_and_resumes_exactly(module_tmp):
 def test_full_finetuning_on_one_device(module_tmp):
     # LitGPT's fine-tuning loops call `fabric.init_module(empty_init=(world_size > 1))`: on one device that is
     # `empty_init=False`, which Lightning's ZeRO-3 refused (NotImplementedError) though zero.Init initialises anyway
-    one = run_script("litgpt_finetune.py", {"steps": 4, "strategy": "hpz", "hpz": 1, "devices": 1}, module_tmp / "one")
-    reference = run_script("litgpt_finetune.py", {"steps": 4, "strategy": "ddp", "devices": 1}, module_tmp / "one_ddp")
+    one = run_script(
+        "litgpt_finetune.py", {"steps": 4, "strategy": "hpz", "hpz": 1, "devices": 1}, module_tmp / "one", ranks=1
+    )
+    reference = run_script(
+        "litgpt_finetune.py", {"steps": 4, "strategy": "ddp", "devices": 1}, module_tmp / "one_ddp", ranks=1
+    )
     for run in (one, reference):
         assert_succeeded(run, ranks=1)
     assert one.ranks[0]["global_steps"] == 4

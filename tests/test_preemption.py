@@ -1,5 +1,6 @@
 """Preemption on real processes: a SIGTERM or SIGUSR1 mid-training commits a checkpoint and exits 75, never 0 and
-never a deadlock; the resumed run continues exactly. Under Lightning's launcher, torchrun and a SLURM-style launch."""
+never a deadlock; the resumed run continues exactly. Under Lightning's launcher, torchrun and a SLURM-style launch (the
+uninterrupted reference and the resume fork their ranks from the warm launcher)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS
+from conftest import SCRIPTS, WARM
 from warm_launcher import free_port
 
 from lightning_hpz.lifecycle.preemption_checkpoint import next_preemption_checkpoint
@@ -22,6 +24,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SCRIPT = str(SCRIPTS / "preemption_training.py")
 STEPS = 16
+_WAITER = ThreadPoolExecutor(1)  # the warm launches, one after another, while the launched ones are preempted
 
 
 def _launch(command: list[str], out: Path, env: dict | None = None) -> subprocess.Popen:
@@ -61,21 +64,32 @@ def _preempt(processes: list[subprocess.Popen], out: Path, signum: int) -> tuple
     return codes, time.monotonic() - sent
 
 
+def _warm(out: Path, **extra) -> Future:
+    """A 2-rank run of the script forked from the warm launcher (the reference and the resume: what they check is the
+    training, not the launcher), in the background; its exit code once it ends, its output in ``log-0.txt``."""
+    out.mkdir(parents=True, exist_ok=True)
+
+    def run() -> int:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        code, output = WARM.run(SCRIPT, [_options(out, **extra)], str(out), env, 2, 600)
+        (out / "log-0.txt").write_text(output)
+        return code
+
+    return _WAITER.submit(run)
+
+
 @pytest.fixture(scope="module")
 def runs(module_tmp: Path) -> dict:
     results: dict = {}
     base = module_tmp / "uninterrupted"
     # the reference runs alongside the preempted launches (they mostly sleep between steps); nothing of it is timed
-    uninterrupted = _launch([sys.executable, SCRIPT, _options(base, step_seconds=0)], base)
+    uninterrupted = _warm(base, step_seconds=0)
 
     lightning = module_tmp / "lightning"
     main = _launch([sys.executable, SCRIPT, _options(lightning, step_seconds=0.3)], lightning)
     results["lightning"] = _preempt([main], lightning, signal.SIGTERM)
     checkpoint = _record(lightning, 0)["checkpoint"]
-    resumed = module_tmp / "resumed"
-    results["resumed"] = _launch(
-        [sys.executable, SCRIPT, _options(resumed, step_seconds=0, resume_from=checkpoint)], resumed
-    ).wait(600)
+    resumed = _warm(module_tmp / "resumed", step_seconds=0, resume_from=checkpoint)
 
     torchrun = module_tmp / "torchrun"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT]
@@ -83,8 +97,8 @@ def runs(module_tmp: Path) -> dict:
     results["torchrun"] = _preempt([agent], torchrun, signal.SIGTERM)
 
     results["slurm"] = _slurm_run(module_tmp / "slurm")
-    results["uninterrupted"] = uninterrupted.wait(600)
-    results.update(base=base, lightning_out=lightning, resumed_out=resumed, torchrun_out=torchrun)
+    results["uninterrupted"], results["resumed"] = uninterrupted.result(600), resumed.result(600)
+    results.update(base=base, lightning_out=lightning, resumed_out=module_tmp / "resumed", torchrun_out=torchrun)
     return results
 
 

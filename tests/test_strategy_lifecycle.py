@@ -9,7 +9,7 @@ pytestmark = pytest.mark.multiprocess
 
 @pytest.fixture(scope="module")
 def record(module_tmp):
-    run = run_script("plain_deepspeed_after_fit.py", {}, module_tmp / "out", timeout=300)
+    run = run_script("plain_deepspeed_after_fit.py", {}, module_tmp / "out", timeout=300, ranks=1)
     assert_succeeded(run, ranks=1)
     return run.ranks[0]
 

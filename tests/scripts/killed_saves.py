@@ -1,10 +1,11 @@
 """A job that saves ``last.ckpt`` after every step, to be killed whole during its saves (tests/test_killed_saves.py).
 
-Run as ``python killed_saves.py '<json options>'`` in a session of its own: Lightning's launcher starts rank 1, and a
-SIGKILL of the process group (the test's, or the fault point's with ``LIGHTNING_HPZ_FAULT_SCOPE=job``) ends both, as a
+Run as ``python killed_saves.py '<json options>'`` in a process group of its own (the test forks both ranks from the
+warm launcher, as torchrun starts them; Lightning's launcher would start rank 1 in the same group), and a SIGKILL of
+the process group (the test's, or the fault point's with ``LIGHTNING_HPZ_FAULT_SCOPE=job``) ends both, as a
 scheduler ends a job. Rank 0 appends to ``progress.txt`` the step of each checkpoint a save has reported committed
 (when the next step starts, the save of the previous one has returned), and writes ``start<launch>.json`` with the
-step the launch resumed from and, at the end, the step it reached.
+step the launch resumed from, its process group (what the test kills) and, at the end, the step it reached.
 """
 
 import json
@@ -26,7 +27,7 @@ class CommitLog(L.Callback):
         self.record: dict = {}
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.record["start_step"] = trainer.global_step
+        self.record.update(start_step=trainer.global_step, process_group=os.getpgid(0))
         self._write(trainer)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
