@@ -222,13 +222,13 @@ def test_group_settings_are_recorded_and_put_back():
 
 
 def test_verification_shares_are_balanced_by_bytes():
-    from lightning_hpz.checkpointing.manifest import balanced_share
+    from lightning_hpz.checkpointing.manifest import verification_shares
 
     # ZeRO-3 on 4 ranks: big optimizer shards, small model-state files (a split by name gave ranks 1 and 3 every
     # optimizer shard)
     sizes = {f"checkpoint/zero_pp_rank_{r}_mp_rank_00_optim_states.pt": 1000 for r in range(4)}
     sizes |= {f"checkpoint/zero_pp_rank_{r}_mp_rank_00_model_states.pt": 10 for r in range(4)} | {"latest": 1}
-    shares = [balanced_share(sizes, rank, 4) for rank in range(4)]
+    shares = verification_shares({"files": {name: {"size": size} for name, size in sizes.items()}}, 4)
     assert sorted(name for share in shares for name in share) == sorted(sizes)  # each file once
     loads = [sum(sizes[name] for name in share) for share in shares]
     assert max(loads) - min(loads) <= 10
