@@ -13,6 +13,8 @@ from lightning_hpz.checkpointing.rank_agreement import dealt_by_rank_zero
 from lightning_hpz.checkpointing.resume import _entry_lookup, _manifest_dealt
 
 ENTRY = {"size": 1 << 30, "blake2b": "0" * 32}  # one size for all: the pickled payloads then differ only by names
+# a 70B model's description: 80 layers of 9 tensors (what the manifest's "run" records, and a resume compares)
+PARAMETERS = {f"layers.{layer}.{name}": [8192, 8192] for layer in range(80) for name in "qkvoabcde"}
 
 
 def _model_states(rank: int) -> str:
@@ -27,10 +29,14 @@ def _zero_3_names(ranks: int) -> list[str]:
     return sorted(["latest", *map(_model_states, range(ranks)), *map(_optimizer_shard, range(ranks))])
 
 
-def _written(folder, ranks: int, names=None):
+def _run(ranks: int, stage: int = 3) -> dict:
+    return {"stage": stage, "world_size": ranks, "optimizer": "AdamW", "param_groups": None, "parameters": PARAMETERS}
+
+
+def _written(folder, ranks: int, stage: int = 3):
     folder.mkdir(parents=True)
-    files = {name: ENTRY for name in names or _zero_3_names(ranks)}
-    (folder / MANIFEST_NAME).write_text(json.dumps({"format": 1, "run": {"world_size": ranks}, "files": files}))
+    files = {name: ENTRY for name in _zero_3_names(ranks)}
+    (folder / MANIFEST_NAME).write_text(json.dumps({"format": 1, "run": _run(ranks, stage), "files": files}))
     return folder
 
 
@@ -70,25 +76,33 @@ def test_each_rank_is_dealt_its_own_entries_the_same_bytes_at_any_world_size(tmp
     # O(own files) per rank: the payload does not grow with the number of ranks (the digits of the rank aside)
     payloads = {}
     for ranks in (2, 4, 1024):
-        dealt = _manifest_dealt(_written(tmp_path / str(ranks), ranks), ranks, every_optimizer_shard=False)
+        dealt = _manifest_dealt(_written(tmp_path / str(ranks), ranks), _run(ranks), every_optimizer_shard=False)
         assert [sorted(part["files"]) for part in dealt] == files_read_by_each(_zero_3_names(ranks), ranks)
         payloads[ranks] = [len(pickle.dumps(part)) for part in dealt]
-    assert len(set(payloads[2] + payloads[4])) == 1
+    assert len(set(payloads[2] + payloads[4])) == 1 and payloads[2][0] < 600  # the parameters' shapes stay on rank 0
     assert max(payloads[1024]) - payloads[2][0] <= 2 * 3 + 1  # two names' 3 more digits; world size 1024 > 1 byte
 
 
 def test_a_resize_deals_each_rank_a_share_of_every_file(tmp_path):
-    dealt = _manifest_dealt(_written(tmp_path / "ckpt", 4), 2, every_optimizer_shard=False)
+    dealt = _manifest_dealt(_written(tmp_path / "ckpt", 4), _run(2), every_optimizer_shard=False)
     assert sorted(name for part in dealt for name in part["files"]) == _zero_3_names(4)
-    assert all(part["run"] == {"world_size": 4} for part in dealt)
+    assert all(part["run"] == {"world_size": 4, "optimizer": "AdamW", "param_groups": None} for part in dealt)
 
 
 def test_without_a_manifest_every_rank_is_dealt_the_run_its_file_names_tell(tmp_path):
     (tmp_path / "ckpt" / "checkpoint").mkdir(parents=True)
     for name in _zero_3_names(2):
         (tmp_path / "ckpt" / name).touch()
-    dealt = _manifest_dealt(tmp_path / "ckpt", 2, every_optimizer_shard=False)
-    assert dealt == [{"run": {"world_size": 2, "stage": 3}, "files": None}] * 2
+    dealt = _manifest_dealt(tmp_path / "ckpt", _run(2), every_optimizer_shard=False)
+    run = {"world_size": 2, "optimizer": None, "param_groups": None}
+    assert dealt == [{"run": run, "mismatches": [], "files": None}] * 2
+
+
+def test_rank_zero_finds_the_mismatches_and_deals_them_to_every_rank(tmp_path):
+    # the same list on every rank, found without a collective, and no rank but 0 holds the run's description
+    dealt = _manifest_dealt(_written(tmp_path / "ckpt", 2, stage=2), _run(2), every_optimizer_shard=False)
+    assert [len(part["mismatches"]) for part in dealt] == [1, 1]
+    assert "written with stage 2, this run uses stage 3" in dealt[1]["mismatches"][0]
 
 
 @pytest.mark.parametrize("text", ['{"format": 1, "files": {"lat', "[]", '{"format": 1}'])
@@ -98,7 +112,7 @@ def test_a_damaged_manifest_is_an_integrity_error(tmp_path, text):
     with pytest.raises(
         CheckpointIntegrityError, match=r"is damaged, refusing to load it\. .*hpz_manifest.json: cannot"
     ):
-        dealt_by_rank_zero(lambda: _manifest_dealt(folder, 1, every_optimizer_shard=False))
+        dealt_by_rank_zero(lambda: _manifest_dealt(folder, _run(1), every_optimizer_shard=False))
 
 
 def test_a_file_not_dealt_is_looked_up_in_the_manifest_on_this_rank(tmp_path):

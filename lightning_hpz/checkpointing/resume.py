@@ -19,7 +19,6 @@ from lightning_hpz import collectives, lightning_internals
 from lightning_hpz.checkpointing import commit, commit_repair, compatibility, manifest, universal
 from lightning_hpz.checkpointing.errors import CheckpointIntegrityError, CheckpointMismatchError
 from lightning_hpz.checkpointing.rank_agreement import (
-    agreed,
     dealt_by_rank_zero,
     manifest_shares,
     problems_found_together,
@@ -48,7 +47,7 @@ def prepare_load(
     lightning_internals.validate_checkpoint_directory(path)
     current = compatibility.describe_run(strategy, module, engine)
     every_shard = bool(strategy.config.get("zero_optimization", {}).get("elastic_checkpoint"))
-    dealt = dealt_by_rank_zero(lambda: _manifest_dealt(path, current["world_size"], every_shard))
+    dealt = dealt_by_rank_zero(lambda: _manifest_dealt(path, current, every_shard))
     saved, entries = dealt["run"], dealt["files"]
     same_world = saved.get("world_size") in (None, current["world_size"])
     mappings, verified = contextlib.ExitStack(), {}
@@ -59,7 +58,7 @@ def prepare_load(
             verified = _own_files_verified(path, entries, mappings)
         else:  # converted for this number of ranks: every file is read, a share by each rank
             verify_integrity(path, entries)
-        refuse_mismatches(path, saved, current, strategy)
+        refuse_mismatches(path, dealt["mismatches"], saved, current, strategy)
     if same_world:
         return path, _verifying_reads(strategy, engine, path, entries, verified, mappings)
     # the optimizer first: no setting makes its state convertible, while the data order is one flag away
@@ -71,23 +70,32 @@ def prepare_load(
     return copy, _universal_resume(engine, saved.get("param_groups"))
 
 
-def _manifest_dealt(path: Path, world_size: int, every_optimizer_shard: bool) -> list[dict[str, Any]]:
-    """On rank 0: what each rank needs of the manifest, by rank: the saved run and the entries of the files it
-    verifies (those it reads on the same number of ranks, else a share of all). Read once, on one rank: N ranks
-    opening one file of O(F) bytes at once would load the metadata server and each rank's memory with O(N)."""
+def _manifest_dealt(path: Path, current: dict[str, Any], every_optimizer_shard: bool) -> list[dict[str, Any]]:
+    """On rank 0: what each rank needs of the manifest, by rank (:func:`_dealt`), with the entries of the files it
+    verifies: those it reads on the same number of ranks, else a share of all. Read once, on one rank: N ranks opening
+    one file of O(F) bytes at once would load the metadata server, and each rank's memory with O(N)."""
+    world_size = current["world_size"]
     try:
         recorded = manifest.read_manifest(path)
         if recorded is None:
-            return [{"run": _saved_run_without_manifest(path), "files": None}] * world_size
-        saved, files = recorded["run"], recorded["files"]
-        if saved.get("world_size") in (None, world_size):
+            return _dealt(_saved_run_without_manifest(path), current, [None] * world_size)
+        files = recorded["files"]
+        if recorded["run"].get("world_size") in (None, world_size):
             names = manifest.files_read_by_each(list(files), world_size, every_optimizer_shard)
         else:
             names = manifest.verification_shares(recorded, world_size)
-        return [{"run": saved, "files": {name: files[name] for name in share}} for share in names]
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as error:  # cut short, or not a manifest's JSON
+        return _dealt(recorded["run"], current, [{name: files[name] for name in share} for share in names])
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:  # cut short, not JSON
         problem = f"{path / manifest.MANIFEST_NAME}: cannot be read ({type(error).__name__}: {error})"
         raise CheckpointIntegrityError(manifest.damage_report(path, [problem])) from None
+
+
+def _dealt(saved: dict[str, Any], current: dict[str, Any], files: list[Any]) -> list[dict[str, Any]]:
+    # the saved run's few fields a rank acts on, and its differences from this run found here once: the description
+    # itself (a shape per parameter tensor) stays on rank 0, and the ranks need no collective to agree on a refusal
+    run = {key: saved.get(key) for key in ("world_size", "optimizer", "param_groups")}
+    problems = compatibility.mismatches(saved, current)
+    return [{"run": run, "mismatches": problems, "files": part} for part in files]
 
 
 @contextlib.contextmanager
@@ -232,15 +240,18 @@ def verify_integrity(path: Path, share: dict[str, Any]) -> None:
         raise CheckpointIntegrityError(_same_on_every_rank(lambda: manifest.damage_report(path, problems)))
 
 
-def refuse_mismatches(path: Path, saved: dict[str, Any], current: dict[str, Any], strategy: Any) -> None:
-    problems = compatibility.mismatches(saved, current)
+def refuse_mismatches(
+    path: Path, problems: list[str], saved: dict[str, Any], current: dict[str, Any], strategy: Any
+) -> None:
+    """Raise the ``problems`` rank 0 found between the ``saved`` run and this one (the same list on every rank), and a
+    resize of optimizer state offloaded to NVMe."""
+    problems = list(problems)
     if saved.get("world_size") not in (None, current["world_size"]) and _offloads_to_nvme(strategy):
         problems.append(
             f"world size: the checkpoint was written on {saved['world_size']} ranks, this run has "
             f"{current['world_size']}, and optimizer state offloaded to NVMe cannot be converted. Resume on "
             f"{saved['world_size']} ranks."
         )
-    problems = agreed(problems)
     if problems:
         raise CheckpointMismatchError(f"Cannot resume {path} in this run: " + " ".join(problems))
 
