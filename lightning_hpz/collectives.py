@@ -145,6 +145,17 @@ def broadcast_object(obj: Any, src: int = 0, group: Optional[Any] = None) -> Any
     return holder[0]
 
 
+def scatter_object(per_rank: Optional[list[Any]], src: int = 0, group: Optional[Any] = None) -> Any:
+    """Rank ``src``'s ``per_rank[r]`` on each rank ``r`` (``per_rank`` is read on ``src`` alone, one object per rank):
+    each rank receives its own object, where a broadcast would send every rank all ``world_size`` of them."""
+    if not is_distributed():
+        return per_rank[0]
+    received: list[Any] = [None]
+    sent = per_rank if rank(group) == src else None
+    _with_object_device(lambda: dist.scatter_object_list(received, sent, group=group, group_src=src), group)
+    return received[0]
+
+
 def new_subgroups(rank_lists: list[list[int]]) -> Optional[Any]:
     """Create one group per list (every rank must call this with the same lists); returns this rank's group."""
     if not is_distributed():

@@ -188,9 +188,10 @@ def _kib(path: Path) -> str:
 
 def test_world_size_change_refused_when_optimizer_state_cannot_be_converted():
     strategy = SimpleNamespace(config={"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
+    saved, current = {**RUN, "world_size": 4}, {**RUN, "world_size": 2}
     with pytest.raises(CheckpointMismatchError, match=r"written on 4 ranks, this run has 2.*NVMe.*Resume on 4 ranks"):
-        refuse_mismatches(Path("x.ckpt"), {**RUN, "world_size": 4}, {**RUN, "world_size": 2}, strategy)
-    refuse_mismatches(Path("x.ckpt"), {**RUN, "world_size": 4}, {**RUN, "world_size": 2}, SimpleNamespace(config={}))
+        refuse_mismatches(Path("x.ckpt"), [], saved, current, strategy)
+    refuse_mismatches(Path("x.ckpt"), [], saved, current, SimpleNamespace(config={}))
 
 
 def test_resize_of_an_optimizer_the_conversion_cannot_carry_is_refused_naming_it():
@@ -222,13 +223,13 @@ def test_group_settings_are_recorded_and_put_back():
 
 
 def test_verification_shares_are_balanced_by_bytes():
-    from lightning_hpz.checkpointing.manifest import balanced_share
+    from lightning_hpz.checkpointing.manifest import verification_shares
 
     # ZeRO-3 on 4 ranks: big optimizer shards, small model-state files (a split by name gave ranks 1 and 3 every
     # optimizer shard)
     sizes = {f"checkpoint/zero_pp_rank_{r}_mp_rank_00_optim_states.pt": 1000 for r in range(4)}
     sizes |= {f"checkpoint/zero_pp_rank_{r}_mp_rank_00_model_states.pt": 10 for r in range(4)} | {"latest": 1}
-    shares = [balanced_share(sizes, rank, 4) for rank in range(4)]
+    shares = verification_shares({"files": {name: {"size": size} for name, size in sizes.items()}}, 4)
     assert sorted(name for share in shares for name in share) == sorted(sizes)  # each file once
     loads = [sum(sizes[name] for name in share) for share in shares]
     assert max(loads) - min(loads) <= 10

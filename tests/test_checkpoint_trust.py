@@ -21,7 +21,7 @@ from conftest import run_script
 
 from lightning_hpz.checkpointing import read_manifest
 from lightning_hpz.checkpointing.consolidate import consolidate
-from lightning_hpz.checkpointing.manifest import file_digest
+from lightning_hpz.checkpointing.manifest import MANIFEST_NAME, file_digest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 TRAIN_START_MARKER = "/hpz-trace-marker-train-start"  # statted by checkpoint_training.py once the load is over
@@ -100,6 +100,9 @@ def moved_down(written, module_tmp):
         jobs.append(
             {**resize, "stage": stage, "max_steps": 6, "ckpt_path": source, "ckpt_dir": scratch, "moments": True}
         )
+    # job 10: a 2-rank checkpoint (job 5's) resumed on 2 ranks, for what each rank is dealt of its manifest
+    same = str(module_tmp / "ckpts_same2")
+    jobs.append({"stage": 3, "max_steps": 7, "ckpt_path": str(ckpts / "step=6.ckpt"), "ckpt_dir": same})
     jobs.append({"stage": 3, "max_steps": 8, "ckpt_path": str(ckpts / "step=4.ckpt"), "ckpt_dir": scratch})
     options = {"devices": 2, "ckpt_dir": str(ckpts), "jobs": jobs}
     return run_script("checkpoint_training.py", options, module_tmp / "down", timeout=500, ranks=2), copies
@@ -264,9 +267,26 @@ def test_ranks_touch_only_their_own_shards_when_saving_and_loading(moved_up, mod
         assert [line for line in train if others.search(line)] == []
         checks = [line for line in load if others.search(line)]
         assert len(checks) <= 3 and all(existence_check.match(line) for line in checks), checks
+        # rank 0 reads the manifest and sends each rank its entries: no rank > 0 opens or stats it
+        assert [line for line in load if MANIFEST_NAME in line] == []
         own = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # read when loading, written when saving
         assert any(own in line and "openat" in line and "O_RDONLY" in line for line in load)
         assert any(own in line and "openat" in line and "O_WRONLY" in line for line in train)
+    lines = (module_tmp / "up" / "strace_job3_rank0.txt").read_text().splitlines()
+    load = lines[: next(i for i, line in enumerate(lines) if TRAIN_START_MARKER in line)]
+    manifest = str(module_tmp / "ckpts" / "step=4.ckpt" / MANIFEST_NAME)
+    assert len([line for line in load if manifest in line and "openat" in line]) == 1
+
+
+def test_each_rank_is_sent_only_its_own_manifest_entries_at_two_and_four_ranks(moved_down, moved_up):
+    # O(own files) per rank, whatever the number of ranks: its 2 shards and `latest`, never the whole manifest
+    sent = {2: [rank_jobs[10]["dealt"] for rank_jobs in _jobs(moved_down[0], 2)]}
+    sent[4] = [rank_jobs[3]["dealt"] for rank_jobs in _jobs(moved_up, 4)]
+    for dealt in sent.values():
+        for rank, (received,) in enumerate(dealt):  # one scatter per load
+            shards = [f"checkpoint/zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt" for kind in ("model", "optim")]
+            assert received["files"] == sorted([*shards, "latest"])
+    assert len({received["bytes"] for dealt in sent.values() for (received,) in dealt}) == 1, sent
 
 
 def test_resize_under_exact_resume_is_refused(moved_down):

@@ -15,6 +15,7 @@ def test_without_a_process_group_each_helper_is_the_world_of_one():
     assert [t.tolist() for t in collectives.all_gather_tensor(tensor)] == [[1.0, 2.0]]
     assert collectives.all_gather_object("x") == ["x"]
     assert collectives.broadcast_object("y") == "y"
+    assert collectives.scatter_object(["z", None]) == "z"
     assert (collectives.rank(), collectives.world_size()) == (0, 1)
     collectives.barrier()
 
@@ -56,3 +57,11 @@ def test_gathers_and_broadcast_over_gloo(gloo_ranks):
         assert record["gathered"] == [[0, 0], [1, 1]]
         assert record["objects"] == [{"rank": 0}, {"rank": 1}]
         assert record["broadcast"] == "from rank 1"
+        assert record["scattered"] == f"for rank {rank}"
+
+
+def test_a_manifest_cut_short_on_rank_zero_is_refused_on_every_rank(gloo_ranks):
+    # rank 0 alone reads it: its error must reach the others through the scatter, not leave them waiting in it
+    refusals = [gloo_ranks[rank]["cut_short_manifest"] for rank in (0, 1)]
+    assert refusals[0] == refusals[1] and refusals[0]["type"] == "CheckpointIntegrityError"
+    assert "hpz_manifest.json: cannot be read (JSONDecodeError" in refusals[0]["message"]

@@ -27,8 +27,9 @@ def checkpoint(tmp_path):
 
 def _reads(folder, recorded) -> VerifiedReads:
     """The wrapper as a resume builds it: the manifest's sizes, its digests checked by resume.py."""
-    sizes = {name: entry["size"] for name, entry in recorded["files"].items()}
-    return VerifiedReads(TorchCheckpointEngine(), folder, sizes, partial(_check_loaded_bytes, folder, recorded))
+    entry = recorded["files"].get
+    size_of = lambda name: (entry(name) or {}).get("size")  # noqa: E731
+    return VerifiedReads(TorchCheckpointEngine(), folder, size_of, partial(_check_loaded_bytes, folder, entry))
 
 
 def _engine() -> types.SimpleNamespace:
@@ -64,7 +65,7 @@ def test_the_engine_reads_verified_only_during_the_load(checkpoint):
     folder, _ = checkpoint
     engine = _engine()
     original = engine.checkpoint_engine
-    with verifying_reads(engine, folder, {NAME: 1}, lambda name, data: None):
+    with verifying_reads(engine, folder, {NAME: 1}.get, lambda name, data: None):
         assert isinstance(engine.checkpoint_engine, VerifiedReads)
         assert engine.checkpoint_engine.inner is original
     assert engine.checkpoint_engine is original
@@ -75,5 +76,5 @@ def test_nothing_is_wrapped_without_a_manifest_or_for_another_engine(checkpoint,
     folder, _ = checkpoint
     engine = _engine() if case == "no manifest" else types.SimpleNamespace(checkpoint_engine=object())
     original = engine.checkpoint_engine
-    with verifying_reads(engine, folder, None if case == "no manifest" else {NAME: 1}, lambda name, data: None):
+    with verifying_reads(engine, folder, None if case == "no manifest" else {NAME: 1}.get, lambda name, data: None):
         assert engine.checkpoint_engine is original

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from lightning_hpz import collectives, durability
 from lightning_hpz.checkpointing import manifest, writer_lock
-from lightning_hpz.checkpointing.rank_agreement import on_rank_zero, problems_found_together
+from lightning_hpz.checkpointing.rank_agreement import manifest_shares, on_rank_zero, problems_found_together
 from lightning_hpz.checkpointing.staging import (
     REPLACED_SUFFIX,
     STAGING_FOLDER,
@@ -77,15 +77,16 @@ def interrupted_commits_in(folder: Path) -> list[Path]:
 
 def staged_copy_verifies(staging: Path) -> bool:
     """Collective: whether the staged copy at ``staging`` is complete and every file matches its manifest; each rank
-    checksums an equal share of the bytes."""
-    recorded = None
-    if collectives.rank() == 0:
-        try:
-            recorded = manifest.complete_manifest(staging)
-        except (OSError, ValueError):  # unreadable (a manifest cut short): not a copy to roll forward to
-            recorded = None
-    recorded = collectives.broadcast_object(recorded)
-    return bool(recorded) and not problems_found_together(staging, recorded)
+    checksums an equal share of the bytes, sent by rank 0 (the one rank that reads the manifest)."""
+    share = manifest_shares(staging, read=_complete_manifest)
+    return share is not None and not problems_found_together(staging, share)
+
+
+def _complete_manifest(staging: Path) -> Optional[dict[str, Any]]:
+    try:
+        return manifest.complete_manifest(staging)
+    except (OSError, ValueError):  # unreadable (a manifest cut short): not a copy to roll forward to
+        return None
 
 
 def repair_together(finals: list[Path]) -> dict[Path, str]:

@@ -88,7 +88,7 @@ def _without_manifest(checkpoint_dir: Path) -> list[str]:
 
 def _size_rows(sizes: dict[str, int]) -> list[str]:
     model = [s for n, s in sizes.items() if n.endswith("model_states.pt")]
-    optim = [s for n, s in sizes.items() if n.endswith("optim_states.pt")]
+    optim = [s for n, s in sizes.items() if n.endswith(manifest.OPTIMIZER_SUFFIX)]
     return [
         _row("size", f"{_human(sum(sizes.values()))} in {len(sizes)} files"),
         _row("model states", f"{_human(sum(model))} in {len(model)} files"),

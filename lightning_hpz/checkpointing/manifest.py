@@ -8,6 +8,7 @@ blake2b from hashlib is used rather than xxhash: no new dependency, and hashing 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import re
@@ -20,6 +21,7 @@ UNIVERSAL_DIR = "universal"  # the converted copy for other world sizes (univers
 LATEST_NAME = "latest"  # DeepSpeed's file naming the tag to load
 DEEPSPEED_TAG = "checkpoint"  # the tag Lightning's DeepSpeedStrategy saves under: <ckpt>/checkpoint/*.pt
 _CHUNK = 8 << 20
+OPTIMIZER_SUFFIX = "optim_states.pt"  # DeepSpeed's optimizer shards: [bf16_]zero_pp_rank_<r>_mp_rank_00_...
 _RANK_IN_NAME = re.compile(r"zero_pp_rank_(\d+)_")
 
 
@@ -59,16 +61,17 @@ def checkpoint_files(checkpoint_dir: Path) -> list[str]:
     return sorted(names + [LATEST_NAME] * (Path(checkpoint_dir) / LATEST_NAME).is_file())
 
 
-def balanced_share(sizes: dict[str, int], rank: int, world_size: int) -> list[str]:
-    """The files ``rank`` checksums: the largest first, each to the rank with the fewest bytes so far, so that every
-    rank reads about the same number of bytes (a split by name left stage 3's odd ranks every optimizer shard).
-    The same on every rank for the same sizes."""
-    loads, shares = [0] * world_size, [[] for _ in range(world_size)]
-    for name, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
-        least = loads.index(min(loads))
+def verification_shares(recorded: dict[str, Any], world_size: int) -> list[list[str]]:
+    """The files each rank checksums when every file must be checked (a resize, a staged or converted copy), by rank:
+    the largest first, each to the rank with the fewest bytes so far, so that every rank reads about the same number
+    of bytes (a split by name left stage 3's odd ranks every optimizer shard). The same for the same manifest."""
+    sizes = sorted(((-int(entry["size"]), name) for name, entry in recorded["files"].items()))
+    loads, shares = [(0, rank) for rank in range(world_size)], [[] for _ in range(world_size)]
+    for negative_size, name in sizes:  # a heap: rank 0 deals every rank's share at once, O(F log N)
+        load, least = heapq.heappop(loads)
         shares[least].append(name)
-        loads[least] += size
-    return sorted(shares[rank])
+        heapq.heappush(loads, (load - negative_size, least))
+    return [sorted(share) for share in shares]
 
 
 def files_written_by(checkpoint_dir: Path, rank: int, world_size: int) -> list[str]:
@@ -81,17 +84,19 @@ def files_written_by(checkpoint_dir: Path, rank: int, world_size: int) -> list[s
     return owned
 
 
-def files_read_by(names: list[str], rank: int) -> list[str]:
-    """Of a checkpoint's ``names``, those ``rank`` reads when it resumes on the same number of ranks: its own shards
-    (``zero_pp_rank_<rank>_``) and the shared files (no rank in the name: ``latest``, ZeRO-1/2's model states).
-    DeepSpeed only checks that the other ranks' optimizer shards exist (it reads them all only with ZeRO's
-    ``elastic_checkpoint``)."""
-    mine = []
+def files_read_by_each(names: list[str], world_size: int, every_optimizer_shard: bool = False) -> list[list[str]]:
+    """Of a checkpoint's ``names``, those each rank reads when it resumes on the same number of ranks, by rank: its
+    own shards (``zero_pp_rank_<rank>_``) and the shared files (no rank in the name: ``latest``, ZeRO-1/2's model
+    states). DeepSpeed only checks that the other ranks' optimizer shards exist, unless ZeRO's ``elastic_checkpoint``
+    (``every_optimizer_shard``) has every rank read them all."""
+    shared, own = [], [[] for _ in range(world_size)]
     for name in names:
         match = _RANK_IN_NAME.search(Path(name).name)
-        if match is None or int(match.group(1)) == rank:
-            mine.append(name)
-    return mine
+        if match is None or (every_optimizer_shard and name.endswith(OPTIMIZER_SUFFIX)):
+            shared.append(name)
+        else:
+            own[int(match.group(1))].append(name)
+    return [sorted(shared + mine) for mine in own]
 
 
 def digests(checkpoint_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -164,7 +169,7 @@ def last_good_checkpoint(checkpoint_dir: Path) -> Optional[Path]:
 def saved_world_from_names(checkpoint_dir: Path) -> dict[str, Any]:
     """What the file names alone tell of a checkpoint without manifest: world size and whether it is ZeRO-3."""
     names = [Path(n).name for n in checkpoint_files(checkpoint_dir)]
-    optimizer_shards = [n for n in names if n.endswith("optim_states.pt")]
+    optimizer_shards = [n for n in names if n.endswith(OPTIMIZER_SUFFIX)]
     stage_3 = any(n.startswith("zero_pp_rank_") and n.endswith("model_states.pt") for n in names)
     return {"world_size": len(optimizer_shards) or None, "stage_3": stage_3}
 

@@ -2,7 +2,8 @@
 
 A check or a file operation that runs on some ranks and fails on one would leave the others in the next collective
 until the process group times out. Here: a step rank 0 takes alone (:func:`on_rank_zero`) returns its result, or its
-error, on every rank; a check every rank takes part in (:func:`problems_found_together`) gathers every rank's
+error, on every rank; a step rank 0 takes for all (:func:`dealt_by_rank_zero`) hands each rank its own part of the
+result, or the error; a check every rank takes part in (:func:`problems_found_together`) gathers every rank's
 findings into one list, the same on every rank.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Optional, TypeVar
 
 from lightning_hpz import collectives
 from lightning_hpz.checkpointing import manifest
@@ -47,13 +48,43 @@ def agreed(problems: list[str]) -> list[str]:
     return merged
 
 
-def problems_found_together(folder: Path, recorded: dict[str, Any]) -> list[str]:
-    """Collective: each rank checksums an equal share, by bytes, of the files ``recorded`` (a manifest) lists in
-    ``folder``; one sentence per damaged or missing file (or unreadable share), the same list on every rank."""
-    sizes = {name: int(entry["size"]) for name, entry in recorded["files"].items()}
-    share = manifest.balanced_share(sizes, collectives.rank(), collectives.world_size())
+def dealt_by_rank_zero(deal: Callable[[], list[Result]]) -> Result:
+    """Run ``deal`` on rank 0 alone, which returns one object per rank; each rank's own object, in one scatter (each
+    rank receives O(its own part), not the whole). Whatever ``deal`` raises there is raised on every rank alike."""
+    dealt: Any = None
+    if collectives.rank() == 0:
+        try:
+            dealt = [{"result": part} for part in deal()]
+        except Exception as error:  # any error, or the other ranks would wait in the scatter until the timeout
+            dealt = [{"error": error}] * collectives.world_size()
+    mine = collectives.scatter_object(dealt)
+    if "error" in mine:
+        raise mine["error"]
+    return mine["result"]
+
+
+def manifest_shares(
+    folder: Path, read: Callable[[Path], Optional[dict[str, Any]]] = manifest.read_manifest
+) -> Optional[dict[str, Any]]:
+    """Collective: this rank's share, balanced by bytes, of the entries of ``folder``'s manifest (``{name: entry}``),
+    which rank 0 alone reads (with ``read``); None on every rank when there is none. An error reading it is raised on
+    every rank."""
+
+    def deal() -> list[Optional[dict[str, Any]]]:
+        recorded = read(folder)
+        if recorded is None:
+            return [None] * collectives.world_size()
+        shares = manifest.verification_shares(recorded, collectives.world_size())
+        return [{name: recorded["files"][name] for name in share} for share in shares]
+
+    return dealt_by_rank_zero(deal)
+
+
+def problems_found_together(folder: Path, share: dict[str, dict[str, Any]]) -> list[str]:
+    """Collective: each rank checksums its ``share`` (``{name: manifest entry}``, from :func:`manifest_shares`) of
+    the files in ``folder``; one sentence per damaged or missing file (or unreadable share), the same on every rank."""
     try:
-        problems = manifest.verify_files(folder, recorded, share)
+        problems = manifest.verify_files(folder, {"files": share}, list(share))
     except OSError as error:  # raised on this rank alone, the others would wait in the gather
         problems = [f"{folder}: cannot be read ({error})"]
     return agreed(problems)

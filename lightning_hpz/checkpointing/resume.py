@@ -18,7 +18,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_hpz import collectives, lightning_internals
 from lightning_hpz.checkpointing import commit, commit_repair, compatibility, manifest, universal
 from lightning_hpz.checkpointing.errors import CheckpointIntegrityError, CheckpointMismatchError
-from lightning_hpz.checkpointing.rank_agreement import agreed, problems_found_together
+from lightning_hpz.checkpointing.rank_agreement import (
+    dealt_by_rank_zero,
+    manifest_shares,
+    problems_found_together,
+)
 
 NO_MANIFEST_WARNING = (
     "Checkpoint {path} has no integrity manifest (written before lightning_hpz wrote one): loading it unverified."
@@ -41,22 +45,22 @@ def prepare_load(
     # Lightning's own check first: a wrong path gets its guidance (a subfolder or a file inside a checkpoint: "try
     # to load using this parent directory instead"), the same FileNotFoundError as with Lightning's strategy
     lightning_internals.validate_checkpoint_directory(path)
-    recorded = manifest.read_manifest(path)
     current = compatibility.describe_run(strategy, module, engine)
+    every_shard = bool(strategy.config.get("zero_optimization", {}).get("elastic_checkpoint"))
+    dealt = dealt_by_rank_zero(lambda: _manifest_dealt(path, current, every_shard))
+    saved, entries = dealt["run"], dealt["files"]
+    same_world = saved.get("world_size") in (None, current["world_size"])
     mappings, verified = contextlib.ExitStack(), {}
     with _closed_on_error(mappings):
-        if recorded is None:
+        if entries is None:
             rank_zero_warn(NO_MANIFEST_WARNING.format(path=path))
-            saved = _saved_run_without_manifest(path)
-        else:
-            saved = recorded["run"]
-            if saved.get("world_size") in (None, current["world_size"]):
-                verified = _own_files_verified(path, recorded, mappings)
-            else:  # converted for this number of ranks: every file is read, a share by each rank
-                verify_integrity(path, recorded)
-        refuse_mismatches(path, saved, current, strategy)
-    if saved.get("world_size") in (None, current["world_size"]):
-        return path, _verifying_reads(strategy, engine, path, recorded, verified, mappings)
+        elif same_world:
+            verified = _own_files_verified(path, entries, mappings)
+        else:  # converted for this number of ranks: every file is read, a share by each rank
+            verify_integrity(path, entries)
+        refuse_mismatches(path, dealt["mismatches"], saved, current, strategy)
+    if same_world:
+        return path, _verifying_reads(strategy, engine, path, entries, verified, mappings)
     # the optimizer first: no setting makes its state convertible, while the data order is one flag away
     refuse_unconvertible_optimizer(path, saved)
     refuse_inexact_resize(path, saved["world_size"], current["world_size"], keep_data_order)
@@ -64,6 +68,34 @@ def prepare_load(
     copy = universal.universal_copy(path)
     verify_universal_copy(copy)
     return copy, _universal_resume(engine, saved.get("param_groups"))
+
+
+def _manifest_dealt(path: Path, current: dict[str, Any], every_optimizer_shard: bool) -> list[dict[str, Any]]:
+    """On rank 0: what each rank needs of the manifest, by rank (:func:`_dealt`), with the entries of the files it
+    verifies: those it reads on the same number of ranks, else a share of all. Read once, on one rank: N ranks opening
+    one file of O(F) bytes at once would load the metadata server, and each rank's memory with O(N)."""
+    world_size = current["world_size"]
+    try:
+        recorded = manifest.read_manifest(path)
+        if recorded is None:
+            return _dealt(_saved_run_without_manifest(path), current, [None] * world_size)
+        files = recorded["files"]
+        if recorded["run"].get("world_size") in (None, world_size):
+            names = manifest.files_read_by_each(list(files), world_size, every_optimizer_shard)
+        else:
+            names = manifest.verification_shares(recorded, world_size)
+        return _dealt(recorded["run"], current, [{name: files[name] for name in share} for share in names])
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:  # cut short, not JSON
+        problem = f"{path / manifest.MANIFEST_NAME}: cannot be read ({type(error).__name__}: {error})"
+        raise CheckpointIntegrityError(manifest.damage_report(path, [problem])) from None
+
+
+def _dealt(saved: dict[str, Any], current: dict[str, Any], files: list[Any]) -> list[dict[str, Any]]:
+    # the saved run's few fields a rank acts on, and its differences from this run found here once: the description
+    # itself (a shape per parameter tensor) stays on rank 0, and the ranks need no collective to agree on a refusal
+    run = {key: saved.get(key) for key in ("world_size", "optimizer", "param_groups")}
+    problems = compatibility.mismatches(saved, current)
+    return [{"run": run, "mismatches": problems, "files": part} for part in files]
 
 
 @contextlib.contextmanager
@@ -75,12 +107,12 @@ def _closed_on_error(stack: contextlib.ExitStack) -> Iterator[None]:
         raise
 
 
-def _own_files_verified(path: Path, recorded: dict[str, Any], mappings: contextlib.ExitStack) -> dict[str, Any]:
-    """Collective: each rank checksums the files it will read (its own shards and the shared ones: never another
-    rank's), keeping each mapped for the load; a damaged one is refused on every rank alike. The mappings by name."""
+def _own_files_verified(path: Path, entries: dict[str, Any], mappings: contextlib.ExitStack) -> dict[str, Any]:
+    """Collective: each rank checksums the files it will read (``entries``, by name: its own shards and the shared
+    ones, never another rank's), keeping each mapped for the load; a damaged one is refused on every rank alike. The
+    mappings by name."""
     verified, problems = {}, []
-    for name in manifest.files_read_by(list(recorded["files"]), collectives.rank()):
-        expected = recorded["files"][name]
+    for name, expected in entries.items():
         try:
             if not expected["size"] or not (path / name).is_file():  # nothing to map; or missing, named as such
                 problem = manifest.file_problem(path, name, expected)
@@ -105,14 +137,14 @@ def _own_files_verified(path: Path, recorded: dict[str, Any], mappings: contextl
 
 
 def verify_universal_copy(copy: Path) -> None:
-    """Each rank checksums a share of the converted copy's files against the manifest written with it; a damaged copy
-    is refused on every rank, saying how to convert it again."""
-    recorded = manifest.read_manifest(copy)
-    if recorded is None:  # converted by a version that wrote no manifest: nothing to check it against
+    """Each rank checksums a share of the converted copy's files against the manifest written with it, sent by rank 0;
+    a damaged copy is refused on every rank, saying how to convert it again."""
+    share = manifest_shares(copy)
+    if share is None:  # converted by a version that wrote no manifest: nothing to check it against
         rank_zero_warn(f"The universal-format copy {copy} has no manifest; it is loaded unverified. Delete it to have "
                        "it converted (and sealed with a manifest) again.")  # fmt: skip
         return
-    problems = problems_found_together(copy, recorded)
+    problems = problems_found_together(copy, share)
     if problems:
         raise CheckpointIntegrityError(
             f"The universal-format copy {copy} is damaged: {'; '.join(problems)}. Delete {copy} and resume again: "
@@ -122,22 +154,38 @@ def verify_universal_copy(copy: Path) -> None:
 
 @contextlib.contextmanager
 def _verifying_reads(
-    strategy: Any, engine: Any, path: Path, recorded: Any, verified: dict[str, Any], mappings: contextlib.ExitStack
+    strategy: Any, engine: Any, path: Path, entries: Any, verified: dict[str, Any], mappings: contextlib.ExitStack
 ) -> Iterator[None]:
     """Each file DeepSpeed reads into ``engine`` is read from its ``verified`` mapping, or checked as it is read (a
     file this rank was not expected to read); the strategy's ``files_verified_in_load`` then names them, in the order
     they were read. The mappings are closed after the load."""
     from lightning_hpz.partitioning import verifying_reads
 
-    sizes = {name: int(entry["size"]) for name, entry in recorded["files"].items()} if recorded else None
-    check = functools.partial(_check_loaded_bytes, path, recorded)
-    with mappings, verifying_reads(engine, path, sizes, check, verified) as reads:
+    entry = _entry_lookup(path, entries) if entries is not None else None
+    size_of = (lambda name: (entry(name) or {}).get("size")) if entry else None
+    check = functools.partial(_check_loaded_bytes, path, entry)
+    with mappings, verifying_reads(engine, path, size_of, check, verified) as reads:
         yield
     strategy.files_verified_in_load = reads.verified if reads is not None else []
 
 
-def _check_loaded_bytes(path: Path, recorded: dict[str, Any], name: str, data: Any) -> None:
-    problem = manifest.digest_problem(path / name, recorded["files"][name], manifest.buffer_digest(data))
+def _entry_lookup(path: Path, entries: dict[str, Any]) -> Any:
+    """``name -> manifest entry`` (None if unlisted): those rank 0 sent, else read from the manifest on this rank. A
+    file DeepSpeed reads that the split did not predict costs this rank the whole manifest once, and is still
+    checked: never loaded unverified."""
+    whole = functools.cache(lambda: _manifest_read_here(path)["files"])
+    return lambda name: entries[name] if name in entries else whole().get(name)
+
+
+def _manifest_read_here(path: Path) -> dict[str, Any]:
+    recorded = manifest.read_manifest(path)
+    if recorded is None:  # gone since rank 0 read it: what this file must hash to is unknown, so it is not loaded
+        raise CheckpointIntegrityError(f"{path / manifest.MANIFEST_NAME} disappeared while {path} was being loaded.")
+    return recorded
+
+
+def _check_loaded_bytes(path: Path, entry: Any, name: str, data: Any) -> None:
+    problem = manifest.digest_problem(path / name, entry(name), manifest.buffer_digest(data))
     if problem:
         raise CheckpointIntegrityError(
             f"Checkpoint file changed between its verification and its load: {problem}. Another process may be "
@@ -184,22 +232,26 @@ def refuse_inexact_resize(path: Path, saved: int, current: int, keep_data_order:
         )
 
 
-def verify_integrity(path: Path, recorded: dict[str, Any]) -> None:
-    """Each rank checksums a share of the files; the damaged ones, gathered, are reported by every rank alike."""
-    problems = problems_found_together(path, recorded)
+def verify_integrity(path: Path, share: dict[str, Any]) -> None:
+    """Each rank checksums its ``share`` of the files (from rank 0); the damaged ones, gathered, are reported by every
+    rank alike."""
+    problems = problems_found_together(path, share)
     if problems:
         raise CheckpointIntegrityError(_same_on_every_rank(lambda: manifest.damage_report(path, problems)))
 
 
-def refuse_mismatches(path: Path, saved: dict[str, Any], current: dict[str, Any], strategy: Any) -> None:
-    problems = compatibility.mismatches(saved, current)
+def refuse_mismatches(
+    path: Path, problems: list[str], saved: dict[str, Any], current: dict[str, Any], strategy: Any
+) -> None:
+    """Raise the ``problems`` rank 0 found between the ``saved`` run and this one (the same list on every rank), and a
+    resize of optimizer state offloaded to NVMe."""
+    problems = list(problems)
     if saved.get("world_size") not in (None, current["world_size"]) and _offloads_to_nvme(strategy):
         problems.append(
             f"world size: the checkpoint was written on {saved['world_size']} ranks, this run has "
             f"{current['world_size']}, and optimizer state offloaded to NVMe cannot be converted. Resume on "
             f"{saved['world_size']} ranks."
         )
-    problems = agreed(problems)
     if problems:
         raise CheckpointMismatchError(f"Cannot resume {path} in this run: " + " ".join(problems))
 

@@ -26,6 +26,8 @@ from lightning_hpz.partitioning.checkpoint_engine_wrapper import CheckpointEngin
 
 # check(name, mapping): raises unless the mapped bytes of ``name`` (relative to the checkpoint) are the recorded ones
 Check = Callable[[str, Any], None]
+# size_of(name): the recorded size of ``name`` (relative to the checkpoint), None for a file the manifest does not list
+SizeOf = Callable[[str], Optional[int]]
 
 
 class VerifiedReads(CheckpointEngineWrapper):
@@ -35,12 +37,12 @@ class VerifiedReads(CheckpointEngineWrapper):
         self,
         inner: Any,
         checkpoint_dir: Path,
-        sizes: dict[str, int],
+        size_of: SizeOf,
         check: Check,
         verified: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__(inner, checkpoint_dir)
-        self.sizes = sizes  # the files to check, by name relative to the checkpoint, with their recorded sizes
+        self.size_of = size_of
         self.check = check
         self.mapped = verified or {}  # files mapped and checked before the load, by name: read from that very mapping
         self.verified: list[str] = []  # names, in the order DeepSpeed read them
@@ -52,7 +54,7 @@ class VerifiedReads(CheckpointEngineWrapper):
             mapping.seek(0)
             self.verified.append(name)
             return torch.load(mapping, map_location=map_location, weights_only=False)
-        if name is None or not self.sizes.get(name):  # not listed, or empty (nothing to map)
+        if name is None or not self.size_of(name):  # not listed, or empty (nothing to map)
             return self.inner.load(path, map_location=map_location)
         with open(path, "rb") as stream, mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
             self.check(name, mapping)
@@ -64,17 +66,17 @@ class VerifiedReads(CheckpointEngineWrapper):
 def verifying_reads(
     engine: Any,
     checkpoint_dir: Path,
-    sizes: Optional[dict[str, int]],
+    size_of: Optional[SizeOf],
     check: Check,
     verified: Optional[dict[str, Any]] = None,
 ) -> Iterator[Optional[VerifiedReads]]:
     """While DeepSpeed loads ``checkpoint_dir`` into ``engine``, verify every file it reads; yields the wrapper (None
     without a manifest or for another checkpoint engine: nothing is checked then). ``verified``: mappings of files
     checked already (by name), which DeepSpeed then reads without a second pass over the storage."""
-    if sizes is None:
+    if size_of is None:
         yield None
         return
     with engine_wrapped(
-        engine, "load", lambda inner: VerifiedReads(inner, checkpoint_dir, sizes, check, verified)
+        engine, "load", lambda inner: VerifiedReads(inner, checkpoint_dir, size_of, check, verified)
     ) as reads:
         yield reads

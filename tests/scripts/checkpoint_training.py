@@ -9,12 +9,14 @@ rank 0 also saves the full fp32 weights it resumed with, and, for a job with ``"
 moments (every rank's shards joined) at the start and before each save (``moments_job<i>_step<s>.pt``). A job with
 ``"trace_files": true`` runs under ``strace -f -e trace=%file`` attached to each rank's own process
 (``strace_job<i>_rank<r>.txt``); the rank stats ``TRAIN_START_MARKER`` at ``on_train_start``, so the lines before it
-are the set-up and the checkpoint load, those after it the training and the saves.
+are the set-up and the checkpoint load, those after it the training and the saves. Each job records what rank 0
+dealt this rank of a manifest (``"dealt"``: per scatter, the file names and the pickled bytes received).
 """
 
 import contextlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -29,6 +31,7 @@ from torch.utils.data import DataLoader
 from toy_training import RegressionData, ToyRegressor
 
 import lightning_hpz
+from lightning_hpz import collectives
 
 TRAIN_START_MARKER = "/hpz-trace-marker-train-start"
 
@@ -124,6 +127,24 @@ def file_calls_traced(trace: Path):
         tracer.wait(timeout=30)
 
 
+@contextlib.contextmanager
+def dealt_recorded(dealt: list):
+    """Per scatter, what this rank received: the file names of a manifest's entries and the pickled bytes."""
+    scatter = collectives.scatter_object
+
+    def recorded(*args, **kwargs):
+        mine = scatter(*args, **kwargs)
+        files = (mine.get("result") or {}).get("files") if isinstance(mine, dict) else None
+        dealt.append({"files": sorted(files) if isinstance(files, dict) else None, "bytes": len(pickle.dumps(mine))})
+        return mine
+
+    collectives.scatter_object = recorded
+    try:
+        yield
+    finally:
+        collectives.scatter_object = scatter
+
+
 def fit(job: dict, options: dict, index: int) -> dict:
     if not job.get("trace_files"):
         return _fit(job, options, index)
@@ -151,14 +172,16 @@ def _fit(job: dict, options: dict, index: int) -> dict:
         callbacks=[checkpoints, recorder], enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     model = TwoGroupRegressor()
+    dealt: list = []
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, dealt_recorded(dealt):
             warnings.simplefilter("always")
             trainer.fit(model, DataLoader(RegressionData(), batch_size=8), ckpt_path=job.get("ckpt_path"))
     except lightning_hpz.checkpointing.CheckpointRefusedError as error:
         return {"error": str(error), "error_type": type(error).__name__}
     ours = [str(w.message) for w in caught if "lightning_hpz" in str(w.filename) or "manifest" in str(w.message)]
-    return {**recorder.record, "losses": model.losses, "end_step": trainer.global_step, "warnings": ours}
+    record = {**recorder.record, "losses": model.losses, "end_step": trainer.global_step, "warnings": ours}
+    return {**record, "dealt": dealt}
 
 
 def main(options: dict) -> None:

@@ -30,12 +30,29 @@ def main(options: dict) -> None:
         "gathered": [t.tolist() for t in collectives.all_gather_tensor(torch.full((2,), rank, dtype=torch.int64))],
         "objects": collectives.all_gather_object({"rank": rank}),
         "broadcast": collectives.broadcast_object(f"from rank {rank}", src=1),
+        "scattered": collectives.scatter_object([f"for rank {r}" for r in range(2)] if rank == 0 else None),
     }
-    collectives.barrier()
     out = Path(options["out"])
     out.mkdir(parents=True, exist_ok=True)
+    record["cut_short_manifest"] = _cut_short_manifest_refused(out / "cut_short.ckpt")
+    collectives.barrier()
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
+
+
+def _cut_short_manifest_refused(checkpoint: Path) -> dict:
+    """Rank 0 alone reads the manifest, cut short; what each rank raises."""
+    from lightning_hpz.checkpointing import resume
+    from lightning_hpz.checkpointing.rank_agreement import dealt_by_rank_zero
+
+    if collectives.rank() == 0:
+        (checkpoint / "checkpoint").mkdir(parents=True, exist_ok=True)
+        (checkpoint / "hpz_manifest.json").write_text('{"format": 1, "files": {"lat')
+    try:
+        dealt_by_rank_zero(lambda: resume._manifest_dealt(checkpoint, {"world_size": 2, "stage": 3}, False))
+    except Exception as error:
+        return {"type": type(error).__name__, "message": str(error)}
+    return {}
 
 
 if __name__ == "__main__":
