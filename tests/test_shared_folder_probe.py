@@ -13,6 +13,7 @@ def one_rank_job(monkeypatch):
     monkeypatch.setattr(shared_folder, "_checked", set())
     monkeypatch.setattr(collectives, "is_distributed", lambda: True)
     monkeypatch.setattr(collectives, "rank", lambda: 0)
+    monkeypatch.setattr(collectives, "all_reduce_values", lambda values, op: values)
     monkeypatch.setattr(collectives, "all_gather_object", lambda value: [value])
     monkeypatch.setattr(collectives, "broadcast_object", lambda value: value)
 
@@ -31,6 +32,8 @@ def test_two_jobs_probing_one_folder_at_once_both_see_it(one_rank_job, monkeypat
 
 
 def test_a_rank_that_does_not_see_the_probe_is_named(one_rank_job, monkeypatch, tmp_path):
-    monkeypatch.setattr(collectives, "all_gather_object", lambda value: [value, (False, "node-b")])
+    # rank 1's problem makes the all-reduce non-zero; only then do the names travel
+    monkeypatch.setattr(collectives, "all_reduce_values", lambda values, op: [1.0])
+    monkeypatch.setattr(collectives, "all_gather_object", lambda value: [value, ["rank 1 on node-b"]])
     with pytest.raises(CheckpointStorageError, match=r"rank 1 on node-b cannot see a file rank 0 wrote there"):
         shared_folder.check_one_folder_for_all_ranks(tmp_path)

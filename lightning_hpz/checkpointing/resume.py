@@ -19,6 +19,7 @@ from lightning_hpz import collectives, lightning_internals
 from lightning_hpz.checkpointing import commit, commit_repair, compatibility, manifest, universal
 from lightning_hpz.checkpointing.errors import CheckpointIntegrityError, CheckpointMismatchError
 from lightning_hpz.checkpointing.rank_agreement import (
+    agreed,
     dealt_by_rank_zero,
     manifest_shares,
     problems_found_together,
@@ -125,14 +126,9 @@ def _own_files_verified(path: Path, entries: dict[str, Any], mappings: contextli
             problem = f"{path / name}: cannot be read ({error})"
         if problem:
             problems.append(problem)
-    found = collectives.gather_object(problems)
-    report = None
-    if found is not None and any(found):
-        merged = list(dict.fromkeys(problem for part in found for problem in part))
-        report = manifest.damage_report(path, merged)
-    report = collectives.broadcast_object(report)
-    if report is not None:
-        raise CheckpointIntegrityError(report)
+    problems = agreed(problems)  # one all-reduce of a number when every file verified
+    if problems:
+        raise CheckpointIntegrityError(_same_on_every_rank(lambda: manifest.damage_report(path, problems)))
     return verified
 
 

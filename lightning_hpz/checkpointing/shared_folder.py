@@ -17,6 +17,7 @@ from typing import Optional
 
 from lightning_hpz import collectives
 from lightning_hpz.checkpointing.errors import CheckpointStorageError
+from lightning_hpz.checkpointing.rank_agreement import agreed
 
 PROBE_NAME = ".hpz-shared-folder-probe"
 _checked: set[str] = set()
@@ -40,13 +41,13 @@ def check_one_folder_for_all_ranks(folder: Path, probe_dir: Optional[Path] = Non
     token = collectives.broadcast_object(token)
     probe = probe.with_name(f"{PROBE_NAME}-{token}")
     seen = probe.is_file() and probe.read_text() == token
-    every_rank = collectives.all_gather_object((seen, socket.gethostname()))
+    # one all-reduce of a number when every rank sees it; names travel only from ranks that do not
+    blind = agreed([] if seen else [f"rank {collectives.rank()} on {socket.gethostname()}"])
     if collectives.rank() == 0:
         with contextlib.suppress(OSError):
             probe.unlink()
-    blind = [(rank, host) for rank, (ok, host) in enumerate(every_rank) if not ok]
     if blind:
-        ranks = ", ".join(f"rank {rank} on {host}" for rank, host in blind)
+        ranks = ", ".join(blind)
         raise CheckpointStorageError(
             f"Checkpoint folder {folder} is not one folder for all ranks: {ranks} cannot see a file rank 0 wrote there "
             "(node-local disks?). Every rank writes its shards into it and reads all of them at resume, so the "
