@@ -32,10 +32,10 @@ import math
 import mmap
 import os
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import deepspeed
 import torch
@@ -78,9 +78,8 @@ def _unread_reason(function: Any, read: dict[str, str], name: str) -> str:
     )
 
 
-STAGE3_REASON = _unread_reason(
-    DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state, STAGE3_READ, "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state"
-)
+_STAGE3_LOAD = DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state
+STAGE3_REASON = _unread_reason(_STAGE3_LOAD, STAGE3_READ, "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state")
 FRAGMENT_REASON = _unread_reason(
     universal_checkpoint.load_hp_checkpoint_state, FRAGMENT_READ, "universal_checkpoint.load_hp_checkpoint_state"
 )
@@ -145,11 +144,9 @@ def _stage3_own_part(reads: UniversalReads) -> Callable[..., torch.Tensor]:
         """DeepSpeed's ``load_hp_checkpoint_state`` (ZeRO-3), reading only this rank's part of the file."""
         path = os.path.join(folder, f"{key}.pt")
         loaded = torch.load(path, weights_only=False, mmap=True)
-        if isinstance(loaded, dict) and loaded.get(universal_checkpoint.EP_IS_EXPERT_PARAM, False) or (
-            param is not None and universal_checkpoint._get_param_uc_restore_meta(param)
-        ):  # expert or tensor-parallel layouts: DeepSpeed's own slicing, over the whole file
+        if _sliced_by_layout(loaded, param):  # DeepSpeed's own slicing, over the whole file
             reads.files_read_whole += 1
-            return DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state(self, folder, key, param=param)
+            return _STAGE3_LOAD(self, folder, key, param=param)
         flat = (loaded[universal_checkpoint.PARAM] if isinstance(loaded, dict) else loaded).view(-1)
         group = self._get_param_partition_group(param) if param is not None else self.dp_process_group
         part, copied = own_part(flat, dist.get_rank(group=group), dist.get_world_size(group=group))
@@ -158,6 +155,12 @@ def _stage3_own_part(reads: UniversalReads) -> Callable[..., torch.Tensor]:
         return part
 
     return load_hp_checkpoint_state
+
+
+def _sliced_by_layout(loaded: Any, param: Any) -> bool:
+    """An expert (AutoEP) or tensor-parallel (AutoTP) parameter, whose part DeepSpeed cuts by its layout first."""
+    expert = isinstance(loaded, dict) and loaded.get(universal_checkpoint.EP_IS_EXPERT_PARAM, False)
+    return bool(expert or (param is not None and universal_checkpoint._get_param_uc_restore_meta(param)))
 
 
 def own_part(flat: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int]:
