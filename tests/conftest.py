@@ -111,6 +111,27 @@ def assert_succeeded(run: ScriptRun, ranks: int = 4) -> None:
     assert sorted(run.ranks) == list(range(ranks)), run.output[-4000:]
 
 
+def universal_state_bytes(copy: Path) -> int:
+    """The bytes of the state (fp32 weights and Adam's two moments) in the universal-format ``copy``'s merged files."""
+    import torch
+
+    state = 0
+    for path in copy.glob("zero/*/*.pt"):
+        if path.stem in ("fp32", "exp_avg", "exp_avg_sq"):
+            loaded = torch.load(path, weights_only=False, mmap=True)
+            tensor = loaded["param"] if isinstance(loaded, dict) else loaded
+            state += tensor.numel() * tensor.element_size()
+    return state
+
+
+def assert_read_in_parts(reads: list[dict], state: int) -> None:
+    """Each rank's universal load (``strategy.universal_reads``, one dict per rank) mapped the merged files and copied
+    its own part of them: the parts add up to the ``state`` bytes once, none above 1.2/N of it."""
+    assert all(r["fallback"] == "" and r["files_read_whole"] == 0 and r["files_mapped"] > 0 for r in reads), reads
+    assert sum(r["bytes_copied"] for r in reads) == state, (reads, state)
+    assert max(r["bytes_copied"] for r in reads) <= 1.2 * state / len(reads), (reads, state)
+
+
 def launch_nodes(script: str, options: dict, out: Path, nodes: int, env: dict | None = None) -> dict[int, dict]:
     """A multi-node Lightning job on this machine, started as a user starts one: ``python script`` once per node with
     ``NODE_RANK`` and one ``MASTER_ADDR``/``MASTER_PORT`` (Lightning's launcher starts each node's other ranks). Waits
