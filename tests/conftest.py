@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,7 +117,7 @@ def universal_state_bytes(copy: Path) -> int:
     import torch
 
     state = 0
-    for path in copy.glob("zero/*/*.pt"):
+    for path in copy.glob("*/zero/*/*.pt"):  # <copy>/checkpoint/zero/<parameter>/<state>.pt
         if path.stem in ("fp32", "exp_avg", "exp_avg_sq"):
             loaded = torch.load(path, weights_only=False, mmap=True)
             tensor = loaded["param"] if isinstance(loaded, dict) else loaded
@@ -136,24 +137,42 @@ def launch_nodes(script: str, options: dict, out: Path, nodes: int, env: dict | 
     """A multi-node Lightning job on this machine, started as a user starts one: ``python script`` once per node with
     ``NODE_RANK`` and one ``MASTER_ADDR``/``MASTER_PORT`` (Lightning's launcher starts each node's other ranks). Waits
     for every node to succeed; returns each rank's ``rank<r>.json``."""
+    ended = run_nodes(script, options, out, nodes, env)
+    output = "".join((out / f"node{n}.log").read_text()[-3000:] for n in range(nodes))
+    assert [code for code, _ in ended] == [0] * nodes, output
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+
+
+def run_nodes(
+    script: str, options: dict, out: Path, nodes: int, env: dict | None = None, timeout: float = 300
+) -> list[tuple[int, float]]:
+    """:func:`launch_nodes` without judging the outcome: each node's exit code and when it ended
+    (``time.monotonic``); its output is in ``out/node<n>.log``. Each node is its own launcher, as on a cluster: one
+    that fails ends no other."""
     command = [sys.executable, str(SCRIPTS / script), json.dumps({**options, "out": str(out)})]
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
     base.update(env or {})
+    out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(open(out / f"node{n}.log", "w")) for n in range(nodes)]
         launched = [
             subprocess.Popen(command, env={**base, "NODE_RANK": str(n)}, stdout=log, stderr=subprocess.STDOUT, cwd=out)
             for n, log in enumerate(logs)
         ]
+        ended: dict[int, tuple[int, float]] = {}
+        deadline = time.monotonic() + timeout
         try:
-            codes = [node.wait(timeout=300) for node in launched]
+            while len(ended) < nodes and time.monotonic() < deadline:
+                for n, node in enumerate(launched):
+                    if n not in ended and node.poll() is not None:
+                        ended[n] = (node.returncode, time.monotonic())
+                time.sleep(0.1)
         finally:
             for node in launched:
                 if node.poll() is None:
                     node.kill()
-    output = "".join((out / f"node{n}.log").read_text()[-3000:] for n in range(nodes))
-    assert codes == [0] * nodes, output
-    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+                    node.wait()
+    return [ended.get(n, (launched[n].returncode, time.monotonic())) for n in range(nodes)]
 
 
 def assert_loss_fell(losses: list[float]) -> None:
