@@ -151,7 +151,7 @@ def test_ranks_share_the_conversion_and_write_the_copy_one_process_writes(checkp
     assert [run.ranks[rank]["extracted"] for rank in range(3)] == [[0], [1], []]
     merged = [run.ranks[rank]["merged"] for rank in range(3)]
     assert len(set().union(*merged)) == sum(map(len, merged)) == PARAMETERS
-    numel = {name: torch.load(copy / "zero" / name / "fp32.pt").numel() for name in set().union(*merged)}
+    numel = {name: torch.load(copy / "checkpoint" / "zero" / name / "fp32.pt").numel() for name in set().union(*merged)}
     assert [sorted(numel[name] for name in names) for names in merged] == [[4096], [2048], [1, 64, 64, 64]]
 
 
@@ -160,13 +160,16 @@ def test_ranks_share_the_conversion_and_write_the_copy_one_process_writes(checkp
 def test_a_rank_lost_mid_conversion_ends_the_others_with_76_and_a_rerun_resumes(checkpoints, uninterrupted, tmp_path):
     # 3 nodes x 1 rank; rank 1 is SIGKILLed once its ZeRO shard is written: rank 0 then waits in the store (C++) for
     # the phase to end, rank 2 (no shard) for the next hand-out. Each rank's watchdog thread must still end it.
-    options = {"checkpoint": str(checkpoints[4]), "cache": str(tmp_path / "cache"), "nodes": 3, "peer_timeout": 15}
+    options = {"checkpoint": str(checkpoints[4]), "cache": str(tmp_path / "cache"), "nodes": 3}
+    options.update(peer_timeout=15, heartbeat_interval=3)
     ended = run_nodes("shared_conversion.py", {**options, "kill_rank": 1}, tmp_path / "killed", nodes=3)
     logs = [(tmp_path / "killed" / f"node{node}.log").read_text() for node in range(3)]
     assert [code for code, _ in ended] == [76, -signal.SIGKILL, 76], "".join(log[-3000:] for log in logs)
     after_kill = [at - ended[1][1] for _, at in ended]
     print(f"ranks 0 and 2 ended {after_kill[0]:.0f} s and {after_kill[2]:.0f} s after rank 1's SIGKILL")
-    assert after_kill[0] < 30 and after_kill[2] < 30
+    # silent for the timeout after its last beat (up to an interval before the kill), seen at the judge's next tick;
+    # rank 0 keeps its verdict up two more intervals before it exits: 15 + 3 + 3 + 6 s, and the exit itself
+    assert after_kill[2] < 30 and after_kill[0] < 33
     assert all("node 1 (ranks 1) silent" in logs[node] for node in (0, 2)), logs[0][-3000:]
     (partial,) = (tmp_path / "cache").glob("*.partial")
     assert len(list((partial / WORK_RECORDS / EXTRACT).glob("*.json"))) == 1  # rank 0's shard; rank 1's unrecorded
@@ -174,7 +177,7 @@ def test_a_rank_lost_mid_conversion_ends_the_others_with_76_and_a_rerun_resumes(
     records = launch_nodes("shared_conversion.py", options, tmp_path / "rerun", nodes=3)
     (copy,) = {Path(record["copy"]) for record in records.values()}
     assert _contents(copy) == uninterrupted[4]
-    assert [records[rank]["extracted"] for rank in range(3)] == [[], [1], []]  # only the shard not recorded
+    assert sum((records[rank]["extracted"] for rank in range(3)), []) == [1]  # only the shard not recorded
 
 
 def test_merges_are_dealt_by_size_largest_first_to_the_least_loaded_rank():

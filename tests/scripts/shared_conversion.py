@@ -6,8 +6,9 @@ the copy's path. Seen through the functions DeepSpeed's item functions call, whi
 functions themselves travel by name to the other ranks and cannot be wrapped.
 
 With ``options["nodes"]`` it runs as one rank per node instead (``python shared_conversion.py`` once per node, with
-``NODE_RANK``), set up by ``HpzFabricStrategy(peer_timeout=options["peer_timeout"])``, whose peer watchdog runs
-beside the conversion; rank ``options["kill_rank"]`` SIGKILLs itself once it has written its first item.
+``NODE_RANK``), set up by ``HpzFabricStrategy`` with ``options["peer_timeout"]`` and ``["heartbeat_interval"]``,
+whose peer watchdog runs beside the conversion; rank ``options["kill_rank"]`` SIGKILLs itself once it has written
+its first item.
 """
 
 import json
@@ -43,7 +44,9 @@ def init(options: dict) -> None:
 
     from lightning_hpz import HpzFabricStrategy
 
-    strategy = HpzFabricStrategy(stage=3, peer_timeout=options["peer_timeout"])
+    strategy = HpzFabricStrategy(
+        stage=3, peer_timeout=options["peer_timeout"], heartbeat_interval=options["heartbeat_interval"]
+    )
     L.Fabric(strategy=strategy, accelerator="cpu", devices=1, num_nodes=options["nodes"]).launch()
     if dist.get_rank() == options.get("kill_rank"):
         os.environ[FAULT_POINT_ENV_VAR] = CONVERSION_ITEM_WRITTEN
