@@ -121,3 +121,28 @@ def test_one_rank_of_four_reads_a_quarter_of_the_pages(ranks, tmp_path):
     print(f"resident pages of a 64 MiB file after loading part 1 of 4: {resident}")
     assert resident["deepspeed"] > 0.95
     assert 0.24 < resident["mapped"] < 0.27  # the quarter (and the archive's header and index)
+
+
+def test_the_load_only_is_patched_and_an_unread_deepspeed_loads_as_shipped(monkeypatch):
+    from deepspeed.checkpoint import universal_checkpoint
+
+    stage3 = object.__new__(DeepSpeedZeroOptimizer_Stage3)  # an instance for the dispatch, nothing built
+    engine = SimpleNamespace(_config=SimpleNamespace(load_universal_checkpoint=False), optimizer=stage3)
+    with universal_load.universal_loading(engine) as reads:
+        assert engine._config.load_universal_checkpoint and "load_hp_checkpoint_state" in vars(stage3)
+    assert not engine._config.load_universal_checkpoint and "load_hp_checkpoint_state" not in vars(stage3)
+    assert reads.fallback == ""
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.load_hp_checkpoint_state = original = lambda *args, **kwargs: None  # as DeepSpeed binds it on each
+    engine.optimizer = SimpleNamespace(bit16_groups=[[param]])
+    with universal_load.universal_loading(engine):
+        assert param.load_hp_checkpoint_state is not original
+        assert isinstance(universal_checkpoint.torch, universal_load._MappingTorch)
+    assert param.load_hp_checkpoint_state is original and universal_checkpoint.torch is torch
+
+    monkeypatch.setattr(universal_load, "STAGE3_REASON", "DeepSpeed 0.16.9's `f` is not the one read")
+    engine.optimizer = stage3
+    with universal_load.universal_loading(engine) as reads:
+        assert "load_hp_checkpoint_state" not in vars(stage3)
+    assert reads.fallback.startswith("DeepSpeed 0.16.9")
