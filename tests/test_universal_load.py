@@ -62,12 +62,13 @@ def test_each_rank_gets_deepspeeds_bytes(ranks, tmp_path, shape, size, dtype):
     assert copied == whole.numel() * whole.element_size()  # the state once over the ranks, padding not counted
 
 
-def test_a_dict_file_reads_its_param_entry(ranks, tmp_path):
+@pytest.mark.parametrize("other", [{}, {"moment": torch.ones(2)}])  # a second tensor: no one record to read from
+def test_a_dict_file_reads_its_param_entry(ranks, tmp_path, other):
     from deepspeed.checkpoint.constants import PARAM
 
-    torch.save({PARAM: torch.arange(10.0), "cat_dim": 0}, tmp_path / "fp32.pt")
-    theirs, ours, _ = _load_both(tmp_path, "fp32", ranks(2, 3), None)
-    assert torch.equal(ours, theirs) and ours.tolist() == [8.0, 9.0, 0.0, 0.0]
+    torch.save({PARAM: torch.arange(10.0), "cat_dim": 0, **other}, tmp_path / "fp32.pt")
+    theirs, ours, reads = _load_both(tmp_path, "fp32", ranks(2, 3), None)
+    assert torch.equal(ours, theirs) and ours.tolist() == [8.0, 9.0, 0.0, 0.0] and reads.bytes_copied == 8
 
 
 def test_own_part_holds_only_the_elements_in_range():
