@@ -151,7 +151,8 @@ def _stage3_own_part(reads: UniversalReads) -> Callable[..., torch.Tensor]:
         flat = (loaded[universal_checkpoint.PARAM] if isinstance(loaded, dict) else loaded).view(-1)
         group = self._get_param_partition_group(param) if param is not None else self.dp_process_group
         rank, size = dist.get_rank(group=group), dist.get_world_size(group=group)
-        part, held = own_part(flat, rank, size, _range_reader(path, flat))
+        with open(path, "rb") as stream:  # the archive's index and the part's bytes, read through one descriptor
+            part, held = own_part(flat, rank, size, _range_reader(stream, flat))
         reads.bytes_copied += held * flat.element_size()
         reads.files_mapped += 1
         return part
@@ -188,37 +189,33 @@ def _copy_range(into: torch.Tensor, flat: torch.Tensor, start: int) -> None:
     into.copy_(flat.narrow(0, start, into.numel()))
 
 
-def _range_reader(path: str, flat: torch.Tensor) -> Optional[ReadRange]:
-    """Reads ``flat``'s elements from the file with one ``pread`` (None where its bytes cannot be placed): a page
-    fault on the mapping would read ahead a window past the part (``read_ahead_kb``: 8 MiB on the test machine, tens
-    of MiB on Lustre clients), more than a whole part of most parameters at N = 1,024, while faults without read-ahead
-    read page by page (5x slower, measured). The tensor's storage is the archive's one data record, stored
-    uncompressed at the offset the archive's index gives (as ``torch.load(mmap=True)`` itself finds it)."""
+def _range_reader(stream: Any, flat: torch.Tensor) -> Optional[ReadRange]:
+    """Reads ``flat``'s elements from the archive open in ``stream`` with one ``pread`` (None where its bytes cannot
+    be placed): a page fault on the mapping would read ahead a window past the part (``read_ahead_kb``, several MiB;
+    tens of MiB on Lustre clients), more than a whole part of most parameters at N = 1,024, while faults without
+    read-ahead read page by page. The tensor's storage is the archive's one data record, stored uncompressed at the
+    offset the archive's index gives (as ``torch.load(mmap=True)`` itself finds it)."""
     try:
-        archive = torch._C.PyTorchFileReader(path)
+        archive = torch._C.PyTorchFileReader(stream)
         (record,) = [name for name in archive.get_all_records() if re.fullmatch(r"([^/]+/)?data/\d+", name)]
         if archive.get_record_size(record) != flat.untyped_storage().nbytes():
             return None
         offset = archive.get_record_offset(record) + flat.storage_offset() * flat.element_size()
     except (RuntimeError, ValueError):  # not one data record, or not a zip archive
         return None
-    return functools.partial(_pread_range, path, offset)
+    return functools.partial(_pread_range, stream.fileno(), offset)
 
 
-def _pread_range(path: str, offset: int, into: torch.Tensor, flat: torch.Tensor, start: int) -> None:
+def _pread_range(descriptor: int, offset: int, into: torch.Tensor, flat: torch.Tensor, start: int) -> None:
     buffer = memoryview(into.view(torch.uint8).numpy())
     offset += start * flat.element_size()
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_RANDOM)  # these bytes, no read-ahead past them
-        done = 0
-        while done < len(buffer):
-            count = os.preadv(descriptor, [buffer[done:]], offset + done)
-            if count == 0:
-                raise EOFError(f"{path} ends before its tensor's data does")
-            done += count
-    finally:
-        os.close(descriptor)
+    os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_RANDOM)  # these bytes, no read-ahead past them
+    done = 0
+    while done < len(buffer):
+        count = os.preadv(descriptor, [buffer[done:]], offset + done)
+        if count == 0:
+            raise EOFError(f"the archive ends before its tensor's data does (descriptor {descriptor})")
+        done += count
 
 
 class _MappingTorch:
