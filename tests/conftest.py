@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,28 +112,67 @@ def assert_succeeded(run: ScriptRun, ranks: int = 4) -> None:
     assert sorted(run.ranks) == list(range(ranks)), run.output[-4000:]
 
 
+def universal_state_bytes(copy: Path) -> int:
+    """The bytes of the state (fp32 weights and Adam's two moments) in the universal-format ``copy``'s merged files."""
+    import torch
+
+    state = 0
+    for path in copy.glob("*/zero/*/*.pt"):  # <copy>/checkpoint/zero/<parameter>/<state>.pt
+        if path.stem in ("fp32", "exp_avg", "exp_avg_sq"):
+            loaded = torch.load(path, weights_only=False, mmap=True)
+            tensor = loaded["param"] if isinstance(loaded, dict) else loaded
+            state += tensor.numel() * tensor.element_size()
+    return state
+
+
+def assert_read_in_parts(reads: list[dict], state: int) -> None:
+    """Each rank's universal load (``strategy.universal_reads``, one dict per rank) mapped the merged files and copied
+    its own part of them: the parts add up to the ``state`` bytes once, none above 1.2/N of it."""
+    assert all(r["fallback"] == "" and r["files_read_whole"] == 0 and r["files_mapped"] > 0 for r in reads), reads
+    assert sum(r["bytes_copied"] for r in reads) == state, (reads, state)
+    assert max(r["bytes_copied"] for r in reads) <= 1.2 * state / len(reads), (reads, state)
+
+
 def launch_nodes(script: str, options: dict, out: Path, nodes: int, env: dict | None = None) -> dict[int, dict]:
     """A multi-node Lightning job on this machine, started as a user starts one: ``python script`` once per node with
     ``NODE_RANK`` and one ``MASTER_ADDR``/``MASTER_PORT`` (Lightning's launcher starts each node's other ranks). Waits
     for every node to succeed; returns each rank's ``rank<r>.json``."""
+    ended = run_nodes(script, options, out, nodes, env)
+    output = "".join((out / f"node{n}.log").read_text()[-3000:] for n in range(nodes))
+    assert [code for code, _ in ended] == [0] * nodes, output
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+
+
+def run_nodes(
+    script: str, options: dict, out: Path, nodes: int, env: dict | None = None, timeout: float = 300
+) -> list[tuple[int, float]]:
+    """:func:`launch_nodes` without judging the outcome: each node's exit code and when it ended
+    (``time.monotonic``); its output is in ``out/node<n>.log``. Each node is its own launcher, as on a cluster: one
+    that fails ends no other."""
     command = [sys.executable, str(SCRIPTS / script), json.dumps({**options, "out": str(out)})]
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
     base.update(env or {})
+    out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(open(out / f"node{n}.log", "w")) for n in range(nodes)]
         launched = [
             subprocess.Popen(command, env={**base, "NODE_RANK": str(n)}, stdout=log, stderr=subprocess.STDOUT, cwd=out)
             for n, log in enumerate(logs)
         ]
+        ended: dict[int, tuple[int, float]] = {}
+        deadline = time.monotonic() + timeout
         try:
-            codes = [node.wait(timeout=300) for node in launched]
+            while len(ended) < nodes and time.monotonic() < deadline:
+                for n, node in enumerate(launched):
+                    if n not in ended and node.poll() is not None:
+                        ended[n] = (node.returncode, time.monotonic())
+                time.sleep(0.1)
         finally:
             for node in launched:
                 if node.poll() is None:
                     node.kill()
-    output = "".join((out / f"node{n}.log").read_text()[-3000:] for n in range(nodes))
-    assert codes == [0] * nodes, output
-    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+                    node.wait()
+    return [ended.get(n, (launched[n].returncode, time.monotonic())) for n in range(nodes)]
 
 
 def assert_loss_fell(losses: list[float]) -> None:

@@ -17,13 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import assert_read_in_parts, run_script, universal_state_bytes
 
 from lightning_hpz.checkpointing import read_manifest
 from lightning_hpz.checkpointing.consolidate import consolidate
 from lightning_hpz.checkpointing.manifest import MANIFEST_NAME, file_digest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+# fp32 weights and Adam's two moments of TwoGroupRegressor's 6,337 weights (32 x 64 + 64 + 64 x 64 + 64 + 64 + 1)
+STATE_BYTES = 3 * 4 * 6337
 TRAIN_START_MARKER = "/hpz-trace-marker-train-start"  # statted by checkpoint_training.py once the load is over
 
 DAMAGED_FILES = {
@@ -214,6 +216,8 @@ def test_four_to_two_ranks_resumes_identical_weights_and_trains(written, moved_d
     assert any("written on 4 ranks on 2 ranks" in w and "data order" in w for w in jobs[0][resumed_job]["warnings"])
     # each parameter group keeps its own settings through the conversion (DeepSpeed's copied the first group's)
     assert all(rank_jobs[resumed_job]["groups"] == GROUPS for rank_jobs in jobs)
+    # its copy went with the "last" checkpoint that later saves replaced: the state of the same model
+    assert_read_in_parts([rank_jobs[resumed_job]["universal_reads"] for rank_jobs in jobs], STATE_BYTES)
     # ZeRO-3 + hpZ 2 on 4 ranks to ZeRO-3 on 2: the optimizer state is carried exactly, not only the weights
     _assert_moments_match(module_tmp / "down" / f"moments_job{resumed_job}_step4.pt", module_tmp / "write" /
                           "moments_job2_step4.pt")  # fmt: skip
@@ -227,6 +231,8 @@ def test_four_to_two_ranks_under_zero_1_and_2_keeps_weights_groups_and_moments(m
     _assert_weights_match(module_tmp / "down" / f"weights_job{job}.pt", source, module_tmp)
     assert [rank_jobs[job]["start_step"] for rank_jobs in jobs] == [4, 4]
     assert all(rank_jobs[job]["groups"] == GROUPS for rank_jobs in jobs)
+    assert universal_state_bytes(source / "universal") == STATE_BYTES
+    assert_read_in_parts([rank_jobs[job]["universal_reads"] for rank_jobs in jobs], STATE_BYTES)
     # written by the 4-rank launch's job 0 (ZeRO-1) or 1 (ZeRO-2) before its step-4 save
     _assert_moments_match(module_tmp / "down" / f"moments_job{job}_step4.pt", module_tmp / "write" /
                           f"moments_job{stage - 1}_step4.pt")  # fmt: skip
@@ -242,6 +248,8 @@ def test_two_to_four_ranks_resumes_identical_weights_and_trains(moved_up, writte
     _assert_weights_match(module_tmp / "up" / f"weights_job{job}.pt", source, module_tmp)
     assert [rank_jobs[job]["start_step"] for rank_jobs in jobs] == [steps[0]] * 4
     assert all(rank_jobs[job]["groups"] == GROUPS for rank_jobs in jobs)
+    assert universal_state_bytes(source / "universal") == STATE_BYTES
+    assert_read_in_parts([rank_jobs[job]["universal_reads"] for rank_jobs in jobs], STATE_BYTES)
     # saved by the 2-rank jobs that wrote the source (index 6: ZeRO-2 to step 4; 7: ZeRO-1 to 4; 5: ZeRO-3 to 8)
     writer = {2: "moments_job6_step4.pt", 1: "moments_job7_step4.pt", 3: "moments_job5_step8.pt"}[stage]
     saved = module_tmp / "down" / writer

@@ -13,7 +13,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import assert_succeeded, run_script
+import torch
+from conftest import assert_succeeded, launch_nodes, run_nodes, run_script
 
 from lightning_hpz.checkpointing import universal
 from lightning_hpz.checkpointing.convert_command import convert_checkpoint
@@ -145,11 +146,65 @@ def test_ranks_share_the_conversion_and_write_the_copy_one_process_writes(checkp
     assert_succeeded(run, ranks=3)
     (copy,) = {Path(record["copy"]) for record in run.ranks.values()}
     assert _contents(copy) == uninterrupted[4]
-    # ZeRO shard r on rank r (rank 2 has none: 2 shards); each parameter merged once, 2 per rank
+    # ZeRO shard r on rank r (rank 2 has none: 2 shards); each parameter merged once, dealt by size: the 64 x 64
+    # matrix alone on rank 0, the 64 x 32 one on rank 1, the four others (193 weights) on rank 2
     assert [run.ranks[rank]["extracted"] for rank in range(3)] == [[0], [1], []]
     merged = [run.ranks[rank]["merged"] for rank in range(3)]
-    assert [len(names) for names in merged] == [PARAMETERS // 3] * 3
-    assert len(set().union(*merged)) == PARAMETERS
+    assert len(set().union(*merged)) == sum(map(len, merged)) == PARAMETERS
+    numel = {name: torch.load(copy / "checkpoint" / "zero" / name / "fp32.pt").numel() for name in set().union(*merged)}
+    assert [sorted(numel[name] for name in names) for names in merged] == [[4096], [2048], [1, 64, 64, 64]]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_rank_lost_mid_conversion_ends_the_others_with_76_and_a_rerun_resumes(checkpoints, uninterrupted, tmp_path):
+    # 3 nodes x 1 rank; rank 1 is SIGKILLed once its ZeRO shard is written: rank 0 then waits in the store (C++) for
+    # the phase to end, rank 2 (no shard) for the next hand-out. Each rank's watchdog thread must still end it.
+    options = {"checkpoint": str(checkpoints[4]), "cache": str(tmp_path / "cache"), "nodes": 3}
+    options.update(peer_timeout=15, heartbeat_interval=3)
+    ended = run_nodes("shared_conversion.py", {**options, "kill_rank": 1}, tmp_path / "killed", nodes=3)
+    logs = [(tmp_path / "killed" / f"node{node}.log").read_text() for node in range(3)]
+    assert [code for code, _ in ended] == [76, -signal.SIGKILL, 76], "".join(log[-3000:] for log in logs)
+    after_kill = [at - ended[1][1] for _, at in ended]
+    print(f"ranks 0 and 2 ended {after_kill[0]:.0f} s and {after_kill[2]:.0f} s after rank 1's SIGKILL")
+    # silent for the timeout after its last beat (up to an interval before the kill), seen at the judge's next tick;
+    # rank 0 keeps its verdict up two more intervals before it exits: 15 + 3 + 3 + 6 s, and the exit itself
+    assert after_kill[2] < 30 and after_kill[0] < 33
+    assert all("node 1 (ranks 1) silent" in logs[node] for node in (0, 2)), logs[0][-3000:]
+    (partial,) = (tmp_path / "cache").glob("*.partial")
+    assert len(list((partial / WORK_RECORDS / EXTRACT).glob("*.json"))) == 1  # rank 0's shard; rank 1's unrecorded
+
+    records = launch_nodes("shared_conversion.py", options, tmp_path / "rerun", nodes=3)
+    (copy,) = {Path(record["copy"]) for record in records.values()}
+    assert _contents(copy) == uninterrupted[4]
+    assert [shard for record in records.values() for shard in record["extracted"]] == [1]  # the unrecorded shard
+
+
+def test_merges_are_dealt_by_size_largest_first_to_the_least_loaded_rank():
+    from lightning_hpz.partitioning.resumable_conversion import deal
+
+    # Llama-3-70B's parameters (embedding 128,256 x 8,192; per layer q, o 8,192^2, k, v 1,024 x 8,192, gate, up,
+    # down 28,672 x 8,192, two norms; the final norm; the output layer), as DeepSpeed lists them, on 64 ranks
+    layer = [8192 * 8192, 1024 * 8192, 1024 * 8192, 8192 * 8192, *[28672 * 8192] * 3, 8192, 8192]
+    weights = [128256 * 8192, *layer * 80, 8192, 128256 * 8192]
+    ranks = 64
+    by_size = _loads(weights, deal(weights, ranks), ranks)
+    by_count = _loads(weights, [index % ranks for index in range(len(weights))], ranks)
+    ideal = sum(weights) / ranks
+    print(f"heaviest rank / mean: by count {max(by_count) / ideal:.2f}, by size {max(by_size) / ideal:.2f}")
+    assert max(by_size) <= ideal + max(weights)  # the bound of dealing largest first
+    assert max(by_size) < 0.8 * max(by_count) and max(by_size) / ideal < 1.1
+    # equal weights: round-robin, as the extraction's shards (shard r on rank r)
+    assert deal([1] * 7, 3) == [0, 1, 2, 0, 1, 2, 0]
+    # fewer items than ranks: one each, the largest on rank 0
+    assert deal([5, 9, 1], 4) == [1, 0, 2]
+
+
+def _loads(weights: list[int], ranks: list[int], size: int) -> list[int]:
+    loads = [0] * size
+    for weight, rank in zip(weights, ranks, strict=True):
+        loads[rank] += weight
+    return loads
 
 
 def test_a_converter_with_other_parameters_is_named(monkeypatch):

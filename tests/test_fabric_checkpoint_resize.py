@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import assert_succeeded, run_script
+from conftest import assert_read_in_parts, assert_succeeded, run_script, universal_state_bytes
 
 from lightning_hpz.checkpointing.manifest import read_manifest
 from lightning_hpz.checkpointing.universal_location import CACHE_ENV_VAR
@@ -59,6 +59,7 @@ def test_two_to_one_rank_keeps_weights_groups_and_moments(moved, stage):
     assert [group["lr"] for group in record["groups"]] == [1e-2, 5e-3]
     assert [group["betas"] for group in record["groups"]] == [[0.9, 0.999], [0.8, 0.99]]
     assert math.isfinite(record["next_loss"])
+    assert_read_in_parts([record["universal_reads"]], universal_state_bytes(root / "ckpts" / layout / "universal"))
 
 
 def test_sgd_with_momentum_is_refused_naming_the_optimizer(moved):

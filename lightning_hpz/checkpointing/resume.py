@@ -68,7 +68,7 @@ def prepare_load(
     rank_zero_warn(universal.DATA_ORDER_WARNING.format(saved=saved["world_size"], current=current["world_size"]))
     copy = universal.universal_copy(path)
     verify_universal_copy(copy)
-    return copy, _universal_resume(engine, saved.get("param_groups"))
+    return copy, _universal_resume(strategy, engine, saved.get("param_groups"))
 
 
 def _manifest_dealt(path: Path, current: dict[str, Any], every_optimizer_shard: bool) -> list[dict[str, Any]]:
@@ -191,11 +191,14 @@ def _check_loaded_bytes(path: Path, entry: Any, name: str, data: Any) -> None:
 
 
 @contextlib.contextmanager
-def _universal_resume(engine: Any, groups: Any) -> Iterator[None]:
+def _universal_resume(strategy: Any, engine: Any, groups: Any) -> Iterator[None]:
+    """Load the universal copy, each rank reading its own part of it; the strategy's ``universal_reads`` then says
+    how many bytes this rank copied, and whether DeepSpeed read whole files instead (and why)."""
     from lightning_hpz.partitioning.universal_load import universal_loading
 
-    with universal_loading(engine):
+    with universal_loading(engine) as reads:
         yield
+    strategy.universal_reads = reads
     # DeepSpeed's universal loader gives every group the first group's settings under ZeRO-3 (a no-decay group gets
     # weight decay); the checkpoint's manifest recorded each group's own
     universal.restore_group_settings(engine.optimizer, groups)

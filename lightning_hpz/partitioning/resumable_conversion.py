@@ -17,11 +17,14 @@ unused, for DeepSpeed's check). Each other item runs through :func:`_recorded_it
 ``fsync``ed, then a record is written under a temporary name and renamed. Other calls to ``_do_parallel_work`` pass
 through unchanged. Importing this module patches nothing, and the wrapper is removed when the block ends.
 
-Shared by a team (:class:`Team`): the process running ``main`` (rank 0) hands each phase's pending items, with the
-work function, to the others (:func:`work_share` runs their part); item ``i`` of a phase runs on rank ``i mod size``
-(ZeRO shard ``r`` on rank ``r`` when the sizes match; the parameters round-robin), and rank 0 waits for every rank's
-part before ``main`` goes on, then reads the others' results from their records. Everything else ``main`` does (its
-set-up reads, the optimizer state, the copies of the model files) stays on rank 0.
+Shared by a team (:class:`Team`): the process running ``main`` (rank 0) deals each phase's pending items and hands
+them, with the work function and the deal, to the others (:func:`work_share` runs their part). Extraction item ``i``
+runs on rank ``i mod size`` (ZeRO shard ``r`` on rank ``r`` when the sizes match). Merges are dealt by size, largest
+first, each to the rank with the fewest weights so far: a merge reads and writes its parameter's whole state, and
+the embedding of a 70B model weighs as much as 16 of its query projections. The sizes are DeepSpeed's own: a ZeRO-1/2
+item carries its shapes, ZeRO-3's are those ``main`` parses from the model-state file (``_parse_model_states_stage3``).
+Rank 0 waits for every rank's part before ``main`` goes on, then reads the others' results from their records.
+Everything else ``main`` does (its set-up reads, the optimizer state, the copies of the model files) stays on rank 0.
 
 At import, the installed converter is checked: its version, and the functions with the parameters read here. If
 anything differs, :data:`UNSUPPORTED_REASON` says why and :func:`resumable_work` patches nothing. The conversion
@@ -34,8 +37,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import heapq
 import inspect
 import json
+import math
 import os
 import pickle
 import shutil
@@ -57,6 +62,7 @@ READ_AGAINST_BELOW = Version("0.20.0")
 DISPATCHER = ("_do_parallel_work", ("do_work", "work_chunks", "num_workers"))
 WRITER = ("_save_checkpoint", ("file_path", "chkpt_sd"))
 WRITING = ("dump_param_fragment", "merge_tp_slices", "merge_zero3_slices")  # each writes through WRITER
+SHAPES = ("_parse_model_states_stage3", ("files",))  # ZeRO-3: the list of {name: shape} main merges by
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,7 @@ def _unsupported_reason() -> str:
             "whose converter lightning_hpz shares and records item by item"
         )
     expected = {name: phase.parameters for name, phase in ITEM_FUNCTIONS.items()}
-    for name, parameters in [*expected.items(), DISPATCHER, WRITER]:
+    for name, parameters in [*expected.items(), DISPATCHER, WRITER, SHAPES]:
         function = getattr(converter, name, None)
         if not callable(function) or tuple(inspect.signature(function).parameters) != parameters:
             return f"DeepSpeed {deepspeed.__version__} has no `ds_to_universal.{name}{parameters}`"
@@ -156,7 +162,7 @@ def resumable_work(
         _dispatch, original, Path(records), progress, report, on_item_written, team
     )
     try:
-        with _writes_recorded():
+        with _writes_recorded(), _shapes_noted():
             yield progress
     finally:
         converter._do_parallel_work = original
@@ -169,8 +175,8 @@ def work_share(team: Team) -> None:
             phase, payload = handed
             failure = ""
             try:
-                work, items = pickle.loads(payload)
-                for item in _share(items, team.rank, team.size):
+                work, items, ranks = pickle.loads(payload)
+                for item in _share(items, ranks, team.rank):
                     work(item)
             except Exception as error:  # reported to rank 0, which fails the conversion on every rank
                 failure = f"rank {team.rank}: {type(error).__name__}: {error}"
@@ -204,21 +210,24 @@ def _dispatch(original, records, progress, report, on_item_written, team, do_wor
     report(f"Universal conversion: {phase.verb} {len(items)} {phase.noun}s{shared}{skipped}")
     started = time.monotonic()
     work = functools.partial(_recorded_item, records / name, do_work, on_item_written, phase.verb == "merging")
-    results = _run_shared(work, pending, team)
+    weights = [_weight(item) if phase.verb == "merging" else 1 for _, item in pending]
+    results = _run_shared(work, pending, deal(weights, team.size) if team is not None else [], team)
     if team is not None and len(results) < len(pending):
         done = _read_records(records / name)  # the other ranks' results
     report(f"Universal conversion: {phase.verb} done in {time.monotonic() - started:.0f} s")
     return [results[key] if key in results else _decoded(done[key]) for key in map(_item_key, items)]
 
 
-def _run_shared(work: Callable[[Any], Any], pending: list[tuple[int, Any]], team: Optional[Team]) -> dict[str, Any]:
-    """Run rank 0's items of ``pending`` here and, with a team, have its other ranks run theirs; returns the results
-    of the items run here, by key."""
+def _run_shared(
+    work: Callable[[Any], Any], pending: list[tuple[int, Any]], ranks: list[int], team: Optional[Team]
+) -> dict[str, Any]:
+    """Run rank 0's items of ``pending`` here and, with a team, have its other ranks run theirs (``ranks``: the rank
+    of each item); returns the results of the items run here, by key."""
     if team is None:
         return {_item_key(item): work(item) for _, item in pending}
-    phase = team.hand_out(pickle.dumps((work, pending)))
+    phase = team.hand_out(pickle.dumps((work, pending, ranks)))
     try:
-        results = {_item_key(item): work(item) for item in _share(pending, 0, team.size)}
+        results = {_item_key(item): work(item) for item in _share(pending, ranks, 0)}
     finally:
         failure = team.wait(phase)  # the others are still writing into the copy otherwise
     if failure:
@@ -226,8 +235,56 @@ def _run_shared(work: Callable[[Any], Any], pending: list[tuple[int, Any]], team
     return results
 
 
-def _share(pending: list[tuple[int, Any]], rank: int, size: int) -> list[Any]:
-    return [item for index, item in pending if index % size == rank]
+def _share(pending: list[tuple[int, Any]], ranks: list[int], rank: int) -> list[Any]:
+    return [item for (_, item), dealt in zip(pending, ranks, strict=True) if dealt == rank]
+
+
+def deal(weights: list[int], size: int) -> list[int]:
+    """The rank of each item: largest first (in their order among equals), each to the rank with the least weight so
+    far, the lowest such rank. Items of equal weight go round-robin: item ``i`` to rank ``i mod size``."""
+    loads = [(0, rank) for rank in range(size)]  # a heap of (weight dealt, rank)
+    ranks = [0] * len(weights)
+    for index in sorted(range(len(weights)), key=lambda i: -weights[i]):
+        load, rank = heapq.heappop(loads)
+        ranks[index] = rank
+        heapq.heappush(loads, (load + weights[index], rank))
+    return ranks
+
+
+_shapes: dict[str, Any] = {}  # ZeRO-3: each parameter's shape, by name, as DeepSpeed's main parsed it in this process
+
+
+@contextlib.contextmanager
+def _shapes_noted() -> Iterator[None]:
+    original = getattr(converter, SHAPES[0])
+    setattr(converter, SHAPES[0], functools.partial(_parse_noted, original))
+    try:
+        yield
+    finally:
+        setattr(converter, SHAPES[0], original)
+        _shapes.clear()
+
+
+def _parse_noted(original: Callable[[Any], Any], files: Any) -> Any:
+    shapes = original(files)
+    for group in shapes:  # one {name: shape} per optimizer sub-group
+        _shapes.update(group)
+    return shapes
+
+
+def _weight(item: Any) -> int:
+    """How many weights a merge item merges: a ZeRO-1/2 item (name, shapes) carries its shapes, a ZeRO-3 item (a
+    name) has DeepSpeed's record of them; 1 where neither is known (the deal is then by count)."""
+    return _numel(_shapes.get(item)) if isinstance(item, str) else _numel(item[1])
+
+
+def _numel(shape: Any) -> int:
+    """Elements of a shape (``torch.Size`` or ints), or of a list of shapes (one per tensor-parallel rank)."""
+    if shape is None:
+        return 1
+    if all(isinstance(dimension, int) for dimension in shape):
+        return math.prod(shape)
+    return sum(_numel(part) for part in shape)
 
 
 def _output_folder(do_work: functools.partial, phase: _Phase) -> Path:

@@ -64,6 +64,8 @@ class ResumeRecorder(L.Callback):
         if self.job.get("trace_files"):
             os.path.exists(TRAIN_START_MARKER)  # a stat in the trace: the load is over, the training begins
         self.record["start_step"] = trainer.global_step
+        reads = getattr(trainer.strategy, "universal_reads", None)  # set by a resume on another number of ranks
+        self.record["universal_reads"] = reads.as_dict() if reads is not None else None
         groups = trainer.strategy.model.optimizer.param_groups
         self.record["groups"] = [{key: group[key] for key in ("lr", "weight_decay", "betas")} for group in groups]
         params = dict(pl_module.named_parameters())

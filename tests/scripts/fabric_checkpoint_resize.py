@@ -6,8 +6,9 @@ processes trains a model with two parameter groups (the matrices: weight decay 0
 0.0, lr 5e-3 and other betas, so that a group given the first group's settings shows). Phase ``"save"``: 3 steps, then
 ``fabric.save`` into ``root/<layout>``; rank 0 keeps the whole weights and Adam's whole moments it saved
 (``saved_<layout>.pt``). Phase ``"load"`` (another number of ranks, hpZ off): ``fabric.load`` of that checkpoint into
-a freshly built model; rank 0 keeps what was loaded (``loaded_<layout>.pt``), every rank records the groups' settings
-and the loss of one more step, or the refusal (SGD with momentum: its state is not converted).
+a freshly built model; rank 0 keeps what was loaded (``loaded_<layout>.pt``), every rank records the groups' settings,
+the loss of one more step and what it read of the converted copy, or the refusal (SGD with momentum: its state is not
+converted).
 """
 
 import json
@@ -72,6 +73,7 @@ def run_layout(fabric: L.Fabric, stage: int, optimizer_name: str, phase: str, ro
         fabric.load(folder, loaded)
         state = whole_state(model, stage)
         record = {"step": loaded["step"], "next_loss": train_step(fabric, model, optimizer, 3)}
+        record["universal_reads"] = fabric.strategy.universal_reads.as_dict()  # what this rank read of the copy
     if fabric.global_rank == 0 and state is not None:
         torch.save(state, out / f"{'saved' if phase == 'save' else 'loaded'}_{layout}.pt")
     record["groups"] = [{key: group.get(key) for key in GROUP_SETTINGS} for group in optimizer.param_groups]
