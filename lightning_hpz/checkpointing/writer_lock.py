@@ -16,6 +16,10 @@ unrepaired). The age is the file's modification time against a probe file's, bot
 local disks, so the hosts' clocks do not matter there (Lustre stamps with the writing client's clock: keep clocks
 within the lease). The lease is the holder's (recorded in the claim) if longer than the claimer's. A lock that cannot
 be read (permissions, a stale handle) counts as held. Any other claim is refused with what to do.
+
+Not ``flock``/``filelock``: the jobs to keep apart run on different nodes, and on Lustre a lock is seen across nodes
+only under the ``flock`` mount option; under ``localflock`` every node's lock succeeds (no exclusion, no error) and
+without either the call fails. A file created exclusively and renamed is atomic on every file system supported.
 """
 
 from __future__ import annotations
