@@ -241,6 +241,7 @@ def netns_marks() -> list:
 # others follow, launching ones first.
 LONGEST_FILES = [
     "test_checkpoint_trust.py",  # 100 s
+    "test_conversion_resume.py",  # 100 s where CI is set: a 3-node job losing a rank mid-conversion (slow), 64 s
     "test_strategy_training.py",  # 80-90 s, with test_race_emulation.py (SHARES_LAUNCH_OF)
     "test_gpu_evidence.py",  # 85 s: benchmarks/gpu_evidence.py --tiny starts a cold process per part
     "test_resume_by_name_runs.py",  # 78 s
