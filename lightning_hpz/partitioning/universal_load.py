@@ -201,7 +201,7 @@ def _range_reader(stream: Any, flat: torch.Tensor) -> Optional[ReadRange]:
         if archive.get_record_size(record) != flat.untyped_storage().nbytes():
             return None
         offset = archive.get_record_offset(record) + flat.storage_offset() * flat.element_size()
-    except (RuntimeError, ValueError):  # not one data record, or not a zip archive
+    except (RuntimeError, ValueError, AttributeError):  # not one data record, not a zip archive; a torch without it
         return None
     return functools.partial(_pread_range, stream.fileno(), offset)
 
@@ -209,7 +209,8 @@ def _range_reader(stream: Any, flat: torch.Tensor) -> Optional[ReadRange]:
 def _pread_range(descriptor: int, offset: int, into: torch.Tensor, flat: torch.Tensor, start: int) -> None:
     buffer = memoryview(into.view(torch.uint8).numpy())
     offset += start * flat.element_size()
-    os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_RANDOM)  # these bytes, no read-ahead past them
+    if hasattr(os, "posix_fadvise"):  # Linux: these bytes, no read-ahead past them
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_RANDOM)
     done = 0
     while done < len(buffer):
         count = os.preadv(descriptor, [buffer[done:]], offset + done)
