@@ -7,6 +7,7 @@ backend, so the CPU tests exercise the same code path a GPU run takes.
 
 from __future__ import annotations
 
+import heapq
 import weakref
 from typing import Any, Optional
 
@@ -154,6 +155,19 @@ def scatter_object(per_rank: Optional[list[Any]], src: int = 0, group: Optional[
     sent = per_rank if rank(group) == src else None
     _with_object_device(lambda: dist.scatter_object_list(received, sent, group=group, group_src=src), group)
     return received[0]
+
+
+def balanced_deal(weights: list[int], size: int) -> list[int]:
+    """The rank of each item, for ``size`` ranks to share items of ``weights``: largest first (in their order among
+    equals), each to the rank with the least weight so far, the lowest such rank; equal weights go round-robin. Rank 0
+    deals once, O(items log size), and every rank's work comes out about even."""
+    loads = [(0, rank) for rank in range(size)]  # a heap of (weight dealt, rank)
+    ranks = [0] * len(weights)
+    for index in sorted(range(len(weights)), key=lambda i: -weights[i]):
+        load, rank = heapq.heappop(loads)
+        ranks[index] = rank
+        heapq.heappush(loads, (load + weights[index], rank))
+    return ranks
 
 
 def new_subgroups(rank_lists: list[list[int]]) -> Optional[Any]:

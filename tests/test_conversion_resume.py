@@ -181,23 +181,23 @@ def test_a_rank_lost_mid_conversion_ends_the_others_with_76_and_a_rerun_resumes(
 
 
 def test_merges_are_dealt_by_size_largest_first_to_the_least_loaded_rank():
-    from lightning_hpz.partitioning.resumable_conversion import deal
+    from lightning_hpz.collectives import balanced_deal
 
     # Llama-3-70B's parameters (embedding 128,256 x 8,192; per layer q, o 8,192^2, k, v 1,024 x 8,192, gate, up,
     # down 28,672 x 8,192, two norms; the final norm; the output layer), as DeepSpeed lists them, on 64 ranks
     layer = [8192 * 8192, 1024 * 8192, 1024 * 8192, 8192 * 8192, *[28672 * 8192] * 3, 8192, 8192]
     weights = [128256 * 8192, *layer * 80, 8192, 128256 * 8192]
     ranks = 64
-    by_size = _loads(weights, deal(weights, ranks), ranks)
+    by_size = _loads(weights, balanced_deal(weights, ranks), ranks)
     by_count = _loads(weights, [index % ranks for index in range(len(weights))], ranks)
     ideal = sum(weights) / ranks
     print(f"heaviest rank / mean: by count {max(by_count) / ideal:.2f}, by size {max(by_size) / ideal:.2f}")
     assert max(by_size) <= ideal + max(weights)  # the bound of dealing largest first
     assert max(by_size) < 0.8 * max(by_count) and max(by_size) / ideal < 1.1
     # equal weights: round-robin, as the extraction's shards (shard r on rank r)
-    assert deal([1] * 7, 3) == [0, 1, 2, 0, 1, 2, 0]
+    assert balanced_deal([1] * 7, 3) == [0, 1, 2, 0, 1, 2, 0]
     # fewer items than ranks: one each, the largest on rank 0
-    assert deal([5, 9, 1], 4) == [1, 0, 2]
+    assert balanced_deal([5, 9, 1], 4) == [1, 0, 2]
 
 
 def _loads(weights: list[int], ranks: list[int], size: int) -> list[int]:
@@ -235,3 +235,15 @@ def test_the_copy_is_sealed_with_its_own_manifest_and_a_damaged_copy_is_refused(
     damaged.write_bytes(bytes(data))
     with pytest.raises(CheckpointIntegrityError, match=r"universal-format copy .* is damaged: .*fp32\.pt.*Delete"):
         verify_universal_copy(copy)
+
+
+def test_a_rerun_extracts_each_remaining_shard_on_its_own_rank():
+    # shard r is read by rank r (it has it in its page cache, and the deal stays the first run's) also when the
+    # shards done before are skipped; merges are dealt by size
+    from lightning_hpz.partitioning.resumable_conversion import ITEM_FUNCTIONS, _ranks_of
+
+    phases = list(ITEM_FUNCTIONS.values())
+    extraction = next(phase for phase in phases if phase.verb == "extracting")
+    merging = next(phase for phase in phases if phase.verb == "merging")
+    assert _ranks_of([(1, "s1"), (2, "s2"), (3, "s3"), (5, "s5")], 4, extraction) == [1, 2, 3, 1]
+    assert _ranks_of([(0, ("a", [(2, 2)])), (1, ("b", [(8, 8)]))], 2, merging) == [1, 0]

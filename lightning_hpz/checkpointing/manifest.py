@@ -8,12 +8,13 @@ blake2b from hashlib is used rather than xxhash: no new dependency, and hashing 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
 import os
 import re
 from pathlib import Path
 from typing import Any, Optional
+
+from lightning_hpz import collectives
 
 MANIFEST_NAME = "hpz_manifest.json"
 MANIFEST_FORMAT = 1
@@ -65,13 +66,12 @@ def verification_shares(recorded: dict[str, Any], world_size: int) -> list[list[
     """The files each rank checksums when every file must be checked (a resize, a staged or converted copy), by rank:
     the largest first, each to the rank with the fewest bytes so far, so that every rank reads about the same number
     of bytes (a split by name left stage 3's odd ranks every optimizer shard). The same for the same manifest."""
-    sizes = sorted(((-int(entry["size"]), name) for name, entry in recorded["files"].items()))
-    loads, shares = [(0, rank) for rank in range(world_size)], [[] for _ in range(world_size)]
-    for negative_size, name in sizes:  # a heap: rank 0 deals every rank's share at once, O(F log N)
-        load, least = heapq.heappop(loads)
-        shares[least].append(name)
-        heapq.heappush(loads, (load - negative_size, least))
-    return [sorted(share) for share in shares]
+    names = sorted(recorded["files"])
+    ranks = collectives.balanced_deal([int(recorded["files"][name]["size"]) for name in names], world_size)
+    shares: list[list[str]] = [[] for _ in range(world_size)]
+    for name, rank in zip(names, ranks, strict=True):
+        shares[rank].append(name)
+    return shares
 
 
 def files_written_by(checkpoint_dir: Path, rank: int, world_size: int) -> list[str]:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import heapq
 import inspect
 import json
 import math
@@ -54,6 +53,7 @@ import deepspeed
 from deepspeed.checkpoint import ds_to_universal as converter
 from packaging.version import Version
 
+from lightning_hpz import collectives
 from lightning_hpz.durability import persist_directory, persist_file
 
 # the releases whose converter was read for this (0.19.8); the others convert from the start
@@ -210,8 +210,7 @@ def _dispatch(original, records, progress, report, on_item_written, team, do_wor
     report(f"Universal conversion: {phase.verb} {len(items)} {phase.noun}s{shared}{skipped}")
     started = time.monotonic()
     work = functools.partial(_recorded_item, records / name, do_work, on_item_written, phase.verb == "merging")
-    weights = [_weight(item) if phase.verb == "merging" else 1 for _, item in pending]
-    results = _run_shared(work, pending, deal(weights, team.size) if team is not None else [], team)
+    results = _run_shared(work, pending, _ranks_of(pending, team.size, phase) if team is not None else [], team)
     if team is not None and len(results) < len(pending):
         done = _read_records(records / name)  # the other ranks' results
     report(f"Universal conversion: {phase.verb} done in {time.monotonic() - started:.0f} s")
@@ -239,16 +238,12 @@ def _share(pending: list[tuple[int, Any]], ranks: list[int], rank: int) -> list[
     return [item for (_, item), dealt in zip(pending, ranks, strict=True) if dealt == rank]
 
 
-def deal(weights: list[int], size: int) -> list[int]:
-    """The rank of each item: largest first (in their order among equals), each to the rank with the least weight so
-    far, the lowest such rank. Items of equal weight go round-robin: item ``i`` to rank ``i mod size``."""
-    loads = [(0, rank) for rank in range(size)]  # a heap of (weight dealt, rank)
-    ranks = [0] * len(weights)
-    for index in sorted(range(len(weights)), key=lambda i: -weights[i]):
-        load, rank = heapq.heappop(loads)
-        ranks[index] = rank
-        heapq.heappush(loads, (load + weights[index], rank))
-    return ranks
+def _ranks_of(pending: list[tuple[int, Any]], size: int, phase: _Phase) -> list[int]:
+    """The rank of each pending item: merges dealt by size; extraction item ``i`` (ZeRO shard ``i``) on rank
+    ``i mod size``, also on a rerun that skips the items done before, so each rank reads its own shard."""
+    if phase.verb == "merging":
+        return collectives.balanced_deal([_weight(item) for _, item in pending], size)
+    return [index % size for index, _ in pending]
 
 
 _shapes: dict[str, Any] = {}  # ZeRO-3: each parameter's shape, by name, as DeepSpeed's main parsed it in this process
@@ -267,8 +262,9 @@ def _shapes_noted() -> Iterator[None]:
 
 def _parse_noted(original: Callable[[Any], Any], files: Any) -> Any:
     shapes = original(files)
-    for group in shapes:  # one {name: shape} per optimizer sub-group
-        _shapes.update(group)
+    for group in shapes if isinstance(shapes, list) else []:  # one {name: shape} per optimizer sub-group
+        if isinstance(group, dict):  # another layout only loses the weights: the deal is then by count
+            _shapes.update(group)
     return shapes
 
 
