@@ -105,7 +105,17 @@ def test_rank_zero_finds_the_mismatches_and_deals_them_to_every_rank(tmp_path):
     assert "written with stage 2, this run uses stage 3" in dealt[1]["mismatches"][0]
 
 
-@pytest.mark.parametrize("text", ['{"format": 1, "files": {"lat', "[]", '{"format": 1}'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"format": 1, "files": {"lat',
+        "[]",
+        '{"format": 1}',
+        # one malformed entry: refused by rank 0 for all, not by the one rank it would be dealt to
+        '{"format": 1, "run": {"world_size": 2}, "files": {"latest": {"size": "many", "blake2b": "0"}}}',
+        '{"format": 1, "run": {"world_size": 2}, "files": {"latest": {"size": 3}}}',
+    ],
+)
 def test_a_damaged_manifest_is_an_integrity_error(tmp_path, text):
     folder = _written(tmp_path / "step=4.ckpt", 2)
     (folder / MANIFEST_NAME).write_text(text)
@@ -125,3 +135,44 @@ def test_a_file_not_dealt_is_looked_up_in_the_manifest_on_this_rank(tmp_path):
         entry(_optimizer_shard(1))
     (folder / "moved").rename(folder / MANIFEST_NAME)
     assert entry(_optimizer_shard(1)) == ENTRY and entry("not/in/the/manifest.pt") is None
+
+
+def test_an_empty_or_short_own_file_is_a_problem_agreed_on_not_an_error_on_its_rank(tmp_path):
+    import contextlib
+
+    from lightning_hpz.checkpointing.resume import _own_files_verified
+
+    folder = tmp_path / "step=4.ckpt"
+    folder.mkdir()
+    (folder / "empty.pt").write_bytes(b"")  # mmap of an empty file raises ValueError, which no rank may raise alone
+    (folder / "short.pt").write_bytes(b"abc")
+    entries = {"empty.pt": {"size": 10, "blake2b": "0" * 32}, "short.pt": {"size": 10, "blake2b": "0" * 32}}
+    with contextlib.ExitStack() as mappings, pytest.raises(CheckpointIntegrityError) as refused:
+        _own_files_verified(folder, entries, mappings)
+    assert "empty.pt: expected 10 bytes" in str(refused.value) and "short.pt: expected 10 bytes" in str(refused.value)
+
+
+def test_a_sibling_with_a_damaged_manifest_is_skipped_when_naming_the_last_good_checkpoint(tmp_path):
+    from lightning_hpz.checkpointing.manifest import last_good_checkpoint
+
+    good = _written(tmp_path / "step=2.ckpt", 1)
+    for name in _zero_3_names(1):
+        (good / name).parent.mkdir(parents=True, exist_ok=True)
+        (good / name).write_bytes(b"")
+    manifest = json.loads((good / MANIFEST_NAME).read_text())
+    manifest["files"] = {name: {"size": 0, "blake2b": "0" * 32} for name in manifest["files"]}
+    (good / MANIFEST_NAME).write_text(json.dumps(manifest))
+    cut = _written(tmp_path / "step=3.ckpt", 1)
+    (cut / MANIFEST_NAME).write_text('{"format": 1, "fi')  # rank 0 alone would raise building the report
+    assert last_good_checkpoint(tmp_path / "step=4.ckpt") == good.resolve()
+
+
+def test_an_error_that_cannot_be_pickled_still_reaches_every_rank():
+    from lightning_hpz.checkpointing.rank_agreement import _portable
+
+    class LocalError(Exception):  # a class defined in a function cannot be pickled
+        pass
+
+    error = ValueError("plain")
+    assert _portable(error) is error
+    assert str(_portable(LocalError("no copy"))) == "LocalError: no copy"

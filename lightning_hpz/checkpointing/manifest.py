@@ -95,7 +95,7 @@ def files_read_by_each(names: list[str], world_size: int, every_optimizer_shard:
         if match is None or (every_optimizer_shard and name.endswith(OPTIMIZER_SUFFIX)):
             shared.append(name)
         else:
-            own[int(match.group(1))].append(name)
+            own[int(match.group(1)) % world_size].append(name)  # a rank beyond the world: still verified
     return [sorted(shared + mine) for mine in own]
 
 
@@ -158,11 +158,14 @@ def last_good_checkpoint(checkpoint_dir: Path) -> Optional[Path]:
     for sibling in checkpoint_dir.parent.iterdir():
         if sibling == checkpoint_dir or not sibling.is_dir():
             continue
-        manifest = complete_manifest(sibling)
-        if manifest:
-            candidates.append(
-                (manifest["run"].get("global_step", -1), (sibling / MANIFEST_NAME).stat().st_mtime, sibling)
-            )
+        try:
+            manifest = complete_manifest(sibling)
+            if manifest:
+                candidates.append(
+                    (manifest["run"].get("global_step", -1), (sibling / MANIFEST_NAME).stat().st_mtime, sibling)
+                )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # damaged or vanishing: not a candidate
+            continue
     return max(candidates)[2] if candidates else None
 
 

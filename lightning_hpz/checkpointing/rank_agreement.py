@@ -9,6 +9,7 @@ findings into one list, the same on every rank.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, TypeVar
@@ -52,15 +53,29 @@ def dealt_by_rank_zero(deal: Callable[[], list[Result]]) -> Result:
     """Run ``deal`` on rank 0 alone, which returns one object per rank; each rank's own object, in one scatter (each
     rank receives O(its own part), not the whole). Whatever ``deal`` raises there is raised on every rank alike."""
     dealt: Any = None
+    failure: Optional[Exception] = None
     if collectives.rank() == 0:
         try:
             dealt = [{"result": part} for part in deal()]
         except Exception as error:  # any error, or the other ranks would wait in the scatter until the timeout
-            dealt = [{"error": error}] * collectives.world_size()
+            failure = error
+            dealt = [{"error": _portable(error)}] * collectives.world_size()
     mine = collectives.scatter_object(dealt)
+    if failure is not None:
+        raise failure  # rank 0's own, with its traceback
     if "error" in mine:
         raise mine["error"]
     return mine["result"]
+
+
+def _portable(error: Exception) -> Exception:
+    """``error`` if it survives pickling, else a RuntimeError with its type and text (a scatter of an object that
+    cannot be pickled would fail on rank 0 alone)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def manifest_shares(

@@ -9,19 +9,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import mmap
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_hpz import collectives, lightning_internals
+from lightning_hpz import lightning_internals
 from lightning_hpz.checkpointing import commit, commit_repair, compatibility, manifest, universal
 from lightning_hpz.checkpointing.errors import CheckpointIntegrityError, CheckpointMismatchError
 from lightning_hpz.checkpointing.rank_agreement import (
     agreed,
     dealt_by_rank_zero,
     manifest_shares,
+    on_rank_zero,
     problems_found_together,
 )
 
@@ -80,7 +82,8 @@ def _manifest_dealt(path: Path, current: dict[str, Any], every_optimizer_shard: 
         recorded = manifest.read_manifest(path)
         if recorded is None:
             return _dealt(_saved_run_without_manifest(path), current, [None] * world_size)
-        files = recorded["files"]
+        # every entry checked here, once: one malformed would otherwise fail on the rank it is dealt to alone
+        files = {name: {"size": int(e["size"]), "blake2b": str(e["blake2b"])} for name, e in recorded["files"].items()}
         if recorded["run"].get("world_size") in (None, world_size):
             names = manifest.files_read_by_each(list(files), world_size, every_optimizer_shard)
         else:
@@ -115,14 +118,16 @@ def _own_files_verified(path: Path, entries: dict[str, Any], mappings: contextli
     verified, problems = {}, []
     for name, expected in entries.items():
         try:
-            if not expected["size"] or not (path / name).is_file():  # nothing to map; or missing, named as such
-                problem = manifest.file_problem(path, name, expected)
-            else:
-                with open(path / name, "rb") as stream:
+            with open(path / name, "rb") as stream:
+                if not expected["size"] or os.fstat(stream.fileno()).st_size != expected["size"]:
+                    problem = manifest.file_problem(path, name, expected)  # nothing to map, or its size says so
+                else:
                     mapping = mappings.enter_context(mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ))
-                problem = manifest.digest_problem(path / name, expected, manifest.buffer_digest(mapping))
-                verified[name] = mapping
-        except OSError as error:  # raised on this rank alone, the others would wait in the gather
+                    problem = manifest.digest_problem(path / name, expected, manifest.buffer_digest(mapping))
+                    verified[name] = mapping
+        except FileNotFoundError:
+            problem = manifest.file_problem(path, name, expected)  # named as missing
+        except (OSError, ValueError) as error:  # raised on this rank alone, the others would wait in the agreement
             problem = f"{path / name}: cannot be read ({error})"
         if problem:
             problems.append(problem)
@@ -256,7 +261,8 @@ def refuse_mismatches(
 
 
 def _same_on_every_rank(build: Any) -> str:
-    return collectives.broadcast_object(build() if collectives.rank() == 0 else None, src=0)
+    # the report reads sibling checkpoints on rank 0: an error there reaches every rank, none waits in a broadcast
+    return on_rank_zero(build, "Checkpoint refused, and its damage could not be described", errors=(Exception,))
 
 
 def _saved_run_without_manifest(path: Path) -> dict[str, Any]:
