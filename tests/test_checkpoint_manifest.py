@@ -223,7 +223,7 @@ def test_group_settings_are_recorded_and_put_back():
 
 
 def test_verification_shares_are_balanced_by_bytes():
-    from lightning_hpz.checkpointing.manifest import verification_shares
+    from lightning_hpz.checkpointing.rank_agreement import verification_shares
 
     # ZeRO-3 on 4 ranks: big optimizer shards, small model-state files (a split by name gave ranks 1 and 3 every
     # optimizer shard)

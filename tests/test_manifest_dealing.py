@@ -8,8 +8,8 @@ import pickle
 import pytest
 
 from lightning_hpz.checkpointing.errors import CheckpointIntegrityError
-from lightning_hpz.checkpointing.manifest import MANIFEST_NAME, files_read_by_each, verification_shares
-from lightning_hpz.checkpointing.rank_agreement import dealt_by_rank_zero
+from lightning_hpz.checkpointing.manifest import MANIFEST_NAME, files_read_by_each
+from lightning_hpz.checkpointing.rank_agreement import dealt_by_rank_zero, verification_shares
 from lightning_hpz.checkpointing.resume import _entry_lookup, _manifest_dealt
 
 ENTRY = {"size": 1 << 30, "blake2b": "0" * 32}  # one size for all: the pickled payloads then differ only by names

@@ -14,8 +14,6 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_hpz import collectives
-
 MANIFEST_NAME = "hpz_manifest.json"
 MANIFEST_FORMAT = 1
 UNIVERSAL_DIR = "universal"  # the converted copy for other world sizes (universal.py)
@@ -60,18 +58,6 @@ def checkpoint_files(checkpoint_dir: Path) -> list[str]:
     for folder, _, files in os.walk(Path(checkpoint_dir) / DEEPSPEED_TAG):  # the listing's file types: no stat each
         names += [os.path.relpath(os.path.join(folder, name), checkpoint_dir) for name in files]
     return sorted(names + [LATEST_NAME] * (Path(checkpoint_dir) / LATEST_NAME).is_file())
-
-
-def verification_shares(recorded: dict[str, Any], world_size: int) -> list[list[str]]:
-    """The files each rank checksums when every file must be checked (a resize, a staged or converted copy), by rank:
-    the largest first, each to the rank with the fewest bytes so far, so that every rank reads about the same number
-    of bytes (a split by name left stage 3's odd ranks every optimizer shard). The same for the same manifest."""
-    names = sorted(recorded["files"])
-    ranks = collectives.balanced_deal([int(recorded["files"][name]["size"]) for name in names], world_size)
-    shares: list[list[str]] = [[] for _ in range(world_size)]
-    for name, rank in zip(names, ranks, strict=True):
-        shares[rank].append(name)
-    return shares
 
 
 def files_written_by(checkpoint_dir: Path, rank: int, world_size: int) -> list[str]:

@@ -78,6 +78,18 @@ def _portable(error: Exception) -> Exception:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
+def verification_shares(recorded: dict[str, Any], world_size: int) -> list[list[str]]:
+    """The files each rank checksums when every file must be checked (a resize, a staged or converted copy), by rank:
+    the largest first, each to the rank with the fewest bytes so far, so that every rank reads about the same number
+    of bytes (a split by name left stage 3's odd ranks every optimizer shard). The same for the same manifest."""
+    names = sorted(recorded["files"])
+    ranks = collectives.balanced_deal([int(recorded["files"][name]["size"]) for name in names], world_size)
+    shares: list[list[str]] = [[] for _ in range(world_size)]
+    for name, rank in zip(names, ranks, strict=True):
+        shares[rank].append(name)
+    return shares
+
+
 def manifest_shares(
     folder: Path, read: Callable[[Path], Optional[dict[str, Any]]] = manifest.read_manifest
 ) -> Optional[dict[str, Any]]:
@@ -89,7 +101,7 @@ def manifest_shares(
         recorded = read(folder)
         if recorded is None:
             return [None] * collectives.world_size()
-        shares = manifest.verification_shares(recorded, collectives.world_size())
+        shares = verification_shares(recorded, collectives.world_size())
         return [{name: recorded["files"][name] for name in share} for share in shares]
 
     return dealt_by_rank_zero(deal)

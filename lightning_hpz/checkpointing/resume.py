@@ -25,6 +25,7 @@ from lightning_hpz.checkpointing.rank_agreement import (
     manifest_shares,
     on_rank_zero,
     problems_found_together,
+    verification_shares,
 )
 
 NO_MANIFEST_WARNING = (
@@ -87,7 +88,7 @@ def _manifest_dealt(path: Path, current: dict[str, Any], every_optimizer_shard: 
         if recorded["run"].get("world_size") in (None, world_size):
             names = manifest.files_read_by_each(list(files), world_size, every_optimizer_shard)
         else:
-            names = manifest.verification_shares(recorded, world_size)
+            names = verification_shares(recorded, world_size)
         return _dealt(recorded["run"], current, [{name: files[name] for name in share} for share in names])
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:  # cut short, not JSON
         problem = f"{path / manifest.MANIFEST_NAME}: cannot be read ({type(error).__name__}: {error})"
