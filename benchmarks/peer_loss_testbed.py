@@ -141,6 +141,7 @@ def run_fault(fault: str, out: Path, args: argparse.Namespace, port: int) -> dic
         "checkpoint_detail": detail,
         "slowest_heartbeat_s": {str(r): rank_record(out, r).get("slowest_heartbeat_s") for r in ranks},
         "steps": {str(r): rank_record(out, r).get("step") for r in ranks},
+        "failed_heartbeat_calls": {str(r): rank_record(out, r).get("failed_heartbeat_calls") for r in ranks},
         "slowed_between_steps": slowed_steps,
         "messages": {
             str(n): [line for line in log.splitlines() if "ends the run with exit code" in line]

@@ -68,7 +68,8 @@ def test_a_cut_link_ends_both_sides_within_two_minutes_naming_the_other(runs):
 
 def test_a_link_slowed_100_fold_past_the_timeout_is_not_a_failure(runs):
     result = _result(runs, "slow")
-    assert [result["exits"][rank]["code"] for rank in ("0", "1")] == [0, 0], result
+    why = {key: result[key] for key in ("exits", "messages", "steps", "slowed_between_steps", "failed_heartbeat_calls")}
+    assert [result["exits"][rank]["code"] for rank in ("0", "1")] == [0, 0], why
     assert result["messages"] == {"0": [], "1": []}
     assert result["checkpoint_verifies"], result["checkpoint_detail"]
     assert max(result["slowest_heartbeat_s"].values()) < PEER_TIMEOUT / 3, result  # far from the timeout

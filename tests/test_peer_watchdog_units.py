@@ -8,6 +8,7 @@ peers. Each rank reads O(1) keys (a leader its node's, rank 0 its node's and the
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 
@@ -320,3 +321,95 @@ def test_only_a_child_of_lightnings_launcher_leaves_the_lost_code_to_its_launchi
     monkeypatch.setattr(peer_watchdog.os, "_exit", codes.append)
     peer_watchdog.exit_lost("lost", code=0 if expected else PEER_LOST_EXIT_CODE)
     assert codes == [0 if expected else PEER_LOST_EXIT_CODE]
+
+
+class OneLostRequest(FakeStore):
+    """Rank 1's connection loses one request (a packet dropped, again and again, on a saturated link): the call waits
+    its whole timeout and fails; the connection opened after it works."""
+
+    def __init__(self, data: dict | None = None, pending: dict | None = None) -> None:
+        super().__init__(data)
+        self.pending = pending if pending is not None else {"lose": False}
+        self.call_timeout = 0.0
+
+    def clone(self):
+        return OneLostRequest(self.data, self.pending)
+
+    def set_timeout(self, timeout) -> None:
+        self.call_timeout = timeout.total_seconds()
+
+    def set(self, key, value) -> None:
+        if key == heartbeat_key(1) and self.pending["lose"]:
+            self.pending["lose"] = False
+            time.sleep(self.call_timeout)
+            raise RuntimeError("DistNetworkError: timed out")
+        super().set(key, value)
+
+
+def test_one_request_lost_at_the_shortest_timeout_allowed_ends_nothing():
+    """At ``timeout = 3 * interval`` a call that times out is retried at once: the store answers again within two
+    call timeouts of an interval's wait. Waiting the interval after a call that timed out 2 intervals ends the run."""
+    assert peer_watchdog.call_timeout(45.0, 5.0) == 10.0  # the defaults: unchanged
+    assert peer_watchdog.call_timeout(15.0, 5.0) == 5.0
+    store, lost = OneLostRequest(), []
+    pair = [PeerWatchdog(store, r, 2, node_of, timeout=3.0, interval=1.0, on_lost=lost.append) for r in (0, 1)]
+    for watchdog in pair:
+        watchdog.start()
+    try:
+        time.sleep(1.5)
+        store.pending["lose"] = True
+        time.sleep(5.0)
+    finally:
+        for watchdog in pair:
+            watchdog.stop()
+    assert lost == [] and pair[1].failed_calls == 1 and not store.pending["lose"]
+
+
+def test_a_trainer_step_counts_its_forward_backward_and_optimizer_step_as_progress(tmp_path):
+    """A step slowed by a starved link still credits the watchdog three times: each part needed every peer."""
+    import lightning as L
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hpz import HpzStrategy
+
+    class Credits:
+        notes: list[str] = []
+        slowest_round_trip = 0.0
+
+        def note_progress(self) -> None:
+            self.notes.append(inspect.stack()[2].function)  # the strategy method that noted it
+
+        def stop(self) -> None:
+            pass
+
+    class Install(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            trainer.strategy.peer_watchdog = Credits()
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 4)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(
+        strategy=HpzStrategy(stage=3),
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        callbacks=[Install()],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2))
+    assert Credits.notes == ["training_step", "backward", "optimizer_step"] * 2

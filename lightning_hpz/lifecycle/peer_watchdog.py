@@ -21,10 +21,14 @@ rank's abort does not wake the ranks of other nodes. Design, with the reasons:
   or torchrun's): it exists in every launch, needs no port or group of its own, and carries no bulk traffic. A gloo
   side group with a short timeout would instead need a collective every rank joins in step, which a rank blocked in a
   long NCCL kernel cannot do.
-- **Store calls never block the decision.** The beat thread talks to the store over a connection of its own (calls
-  time out after ``interval * 2``, at most 15 s; connecting, after ``peer_timeout``), so the training thread's store
-  calls keep their own timeout; a call that hangs on a dead link only delays that thread. The judge thread never
-  touches the network: when no store call has succeeded for ``timeout`` seconds, the store itself is unreachable. The
+- **Store calls never block the decision.** The beat thread talks to the store over a connection of its own
+  (connecting may take ``peer_timeout``), so the training thread's store calls keep their own timeout; a call that
+  hangs on a dead link only delays that thread. The judge thread never touches the network: when no store call has
+  succeeded for ``timeout`` seconds, the store itself is unreachable. One lost request is not that: a beat starts
+  every ``interval`` and a call gives up after ``interval * 2``, at most 15 s and at most half of what ``timeout``
+  leaves after an interval, and a call that failed is retried at once on a fresh connection, so only two calls in a
+  row that fail end the run (a slowed link that drops the one request of a beat, at ``timeout = 3 * interval``,
+  would otherwise end it). The
   store is served from rank 0's node, so that is how rank 0's node's loss, or a cut link seen from the other nodes,
   shows: the message names the store's address and rank 0's node.
 - **Lost after ``timeout`` seconds of silence, default 45 s.** On the two-node testbed with the link slowed 100-fold
@@ -104,6 +108,12 @@ def check_settings(timeout: Optional[float], interval: float) -> None:
             f"peer_timeout={timeout} is under three heartbeat intervals ({interval} s): a single late beat would "
             "end the run. Raise peer_timeout, lower heartbeat_interval, or pass peer_timeout=None to turn it off."
         )
+
+
+def call_timeout(timeout: float, interval: float) -> float:
+    """How long one store call of the beat thread may take: two calls in a row that time out, after an interval's
+    wait, take at most ``timeout``."""
+    return min(2 * interval, _MAX_CALL_TIMEOUT_S, (timeout - interval) / 2)
 
 
 class Tree:
@@ -390,7 +400,7 @@ class PeerWatchdog:
         self.world_size = world_size
         self.tree = Tree(rank, world_size, node_of)
         self.interval = interval
-        self.call_timeout = min(2 * interval, _MAX_CALL_TIMEOUT_S)
+        self.call_timeout = call_timeout(timeout, interval)
         self.relay_s = 2 * interval + self.call_timeout  # how long a found loss stays published before the exit
         self.checkpoint = checkpoint
         self.on_lost = on_lost
@@ -405,6 +415,7 @@ class PeerWatchdog:
         self.found: Optional[str] = None  # the loss this rank publishes in its key
         self.store_requests = 0  # store calls made by the beat thread (the scale ledger counts them)
         self.beats = 0  # beats written and read back
+        self.failed_calls = 0  # beats whose store call failed or timed out
         self._keys_exist = False
         self._client: Optional[Any] = None
         self._lock = threading.Lock()  # the book is written by the beat thread and read by the judge
@@ -504,13 +515,15 @@ class PeerWatchdog:
                 values = self._beat_and_read()
             except Exception as err:  # unreachable, timed out, reset: the judge decides when that is too long
                 log.debug("rank %d: heartbeat through the store at %s failed: %s", self.rank, self.address, err)
+                self.failed_calls += 1
                 self._client = None  # a timed-out connection may hold a late reply: open a fresh one next time
             else:
                 answered = self.clock()
                 with self._lock:
                     self.book.observe(values, answered, answered - started)
                 self.beats += 1
-            self._stopping.wait(self.interval)
+            # one beat per interval, counted from its start: a call that timed out is retried at once
+            self._stopping.wait(max(0.0, self.interval - (self.clock() - started)))
 
     def _connection(self) -> Any:
         if self._client is None:

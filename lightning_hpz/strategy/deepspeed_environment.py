@@ -111,10 +111,11 @@ class DeepSpeedEnvironment:
         ).start()
 
     def _note_progress(self) -> None:
-        """After a step: the watchdog counts it as a beat from every peer (a slow link that starves the heartbeats
-        while training goes on is not a lost node). An optimizer step, and under ZeRO-3 every forward, needs every
-        rank; a ZeRO-1/2 forward does not, but a rank whose peer is gone blocks at its next reduction, so the credit
-        delays a detection by one step at most."""
+        """After a forward, a backward or an optimizer step: the watchdog counts it as a beat from every peer (a slow
+        link that starves the heartbeats while training goes on is not a lost node; a step's three parts credited
+        apart keep a slowed step's credits well inside the timeout). An optimizer step, and under ZeRO-3 every
+        forward and backward, needs every rank; a ZeRO-1/2 forward does not, but a rank whose peer is gone blocks at
+        its next reduction, so the credit delays a detection by one step at most."""
         if self.peer_watchdog is not None:
             self.peer_watchdog.note_progress()
 

@@ -263,6 +263,12 @@ class HpzStrategy(HpzSetup, TrainerDeepSpeedHooks):
         return output
 
     @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        output = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._note_progress()
+        return output
+
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().validation_step(*args, **kwargs)
         self._note_progress()

@@ -4,7 +4,7 @@ Run as ``python peer_loss_training.py '<json options>'`` once per node, with ``N
 ``MASTER_PORT`` set (Lightning's launcher starts the node's other ranks). ZeRO-3 on an MLP large enough that a slowed
 link is full of all-gathers; a committed checkpoint every ``checkpoint_every`` steps. Each rank rewrites
 ``rank<r>.json`` in ``out`` after every step: the step, the last committed checkpoint, the slowest heartbeat round
-trip so far, and, at a normal exit, ``exit: 0``.
+trip so far, the heartbeat calls that failed, and, at a normal exit, ``exit: 0``.
 """
 
 import json
@@ -40,17 +40,20 @@ class Record(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.slowest = 0.0
+        self.failed_calls = 0
 
     def write(self, trainer: L.Trainer, **extra) -> None:
         watchdog = trainer.strategy.peer_watchdog
         if watchdog is not None:
             self.slowest = max(self.slowest, watchdog.slowest_round_trip)
+            self.failed_calls = watchdog.failed_calls
         record = {
             "rank": trainer.global_rank,
             "step": trainer.global_step,
             "time": time.time(),
             "committed": trainer.strategy.committed_checkpoint,
             "slowest_heartbeat_s": self.slowest,
+            "failed_heartbeat_calls": self.failed_calls,
             **extra,
         }
         path = self.out / f"rank{trainer.global_rank}.json"
