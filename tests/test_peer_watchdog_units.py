@@ -413,3 +413,41 @@ def test_a_trainer_step_counts_its_forward_backward_and_optimizer_step_as_progre
     )
     trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2))
     assert Credits.notes == ["training_step", "backward", "optimizer_step"] * 2
+
+
+def test_stop_ends_the_beat_thread_while_the_store_is_gone(tmp_path):
+    """A store gone at teardown (rank 0's process died first) leaves the beat thread reconnecting: every store call
+    of it, connecting included, gives up within the join that ``stop`` waits, so no thread outlives the run."""
+    import datetime
+    import subprocess
+    import sys
+
+    from torch.distributed import TCPStore
+
+    ready = tmp_path / "port"
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import datetime, sys, time; from torch.distributed import TCPStore; "
+            "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, "
+            "timeout=datetime.timedelta(seconds=60)); "
+            f"open({str(ready)!r}, 'w').write(str(s.port)); time.sleep(120)",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (ready.exists() and ready.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        store = TCPStore("127.0.0.1", int(ready.read_text()), is_master=False, timeout=datetime.timedelta(seconds=30))
+        lost = []
+        watchdog = PeerWatchdog(store, 1, 2, node_of, timeout=9.0, interval=1.0, on_lost=lost.append).start()
+        time.sleep(1.5)
+        assert watchdog.beats >= 1
+    finally:
+        server.kill()
+        server.wait()
+    time.sleep(1.5)  # the beat's call fails at once; it reconnects to a port nobody listens on
+    watchdog.stop()
+    assert watchdog.failed_calls >= 1
+    assert not [thread for thread in watchdog._threads if thread.is_alive()]

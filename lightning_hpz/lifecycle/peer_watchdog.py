@@ -21,16 +21,16 @@ rank's abort does not wake the ranks of other nodes. Design, with the reasons:
   or torchrun's): it exists in every launch, needs no port or group of its own, and carries no bulk traffic. A gloo
   side group with a short timeout would instead need a collective every rank joins in step, which a rank blocked in a
   long NCCL kernel cannot do.
-- **Store calls never block the decision.** The beat thread talks to the store over a connection of its own
-  (connecting may take ``peer_timeout``), so the training thread's store calls keep their own timeout; a call that
-  hangs on a dead link only delays that thread. The judge thread never touches the network: when no store call has
-  succeeded for ``timeout`` seconds, the store itself is unreachable. One lost request is not that: a beat starts
-  every ``interval`` and a call gives up after ``interval * 2``, at most 15 s and at most half of what ``timeout``
-  leaves after an interval, and a call that failed is retried at once on a fresh connection, so only two calls in a
-  row that fail end the run (a slowed link that drops the one request of a beat, at ``timeout = 3 * interval``,
-  would otherwise end it). The
-  store is served from rank 0's node, so that is how rank 0's node's loss, or a cut link seen from the other nodes,
-  shows: the message names the store's address and rank 0's node.
+- **Store calls never block the decision.** The beat thread talks to the store over a connection of its own, so
+  the training thread's store calls keep their own timeout; a call that hangs on a dead link only delays that
+  thread, and every call of it, connecting included, ends within the join ``stop`` waits for. The judge thread
+  never touches the network: when no store call has succeeded for ``timeout`` seconds, the store itself is
+  unreachable. One lost request is not that: a beat starts every ``interval``, a call gives up after
+  ``interval * 2`` (at most 15 s, and at most half of what ``timeout`` leaves after an interval), and a call that
+  failed is retried at once on a fresh connection, so only two failed calls in a row end the run (a slowed link
+  that drops the one request of a beat, at ``timeout = 3 * interval``, would otherwise end it). The store is served
+  from rank 0's node, so that is how rank 0's node's loss, or a cut link seen from the other nodes, shows: the
+  message names the store's address and rank 0's node.
 - **Lost after ``timeout`` seconds of silence, default 45 s.** On the two-node testbed with the link slowed 100-fold
   and full of ZeRO-3 all-gathers, heartbeat round trips stay far below it (docs/operations.md, "Lost nodes and cut
   links"). Silence is counted only while the store answers: a store that stalls
@@ -338,21 +338,24 @@ def store_address(store: Any) -> str:
     return f"{host}:{port}" if host is not None else type(store).__name__
 
 
-def connect(store: Any, connect_timeout: float, call_timeout: float) -> Any:
-    """A connection of its own to ``store``'s server whose calls give up after ``call_timeout`` seconds. Connecting
-    may take up to ``connect_timeout`` (a handshake queued behind a saturated link takes several round trips; a
-    ``clone`` would wait the store's own timeout, 30 minutes by default, for a server that may be gone)."""
+def connect(store: Any, call_timeout: float) -> Any:
+    """A connection of its own to ``store``'s server, whose calls give up after ``call_timeout`` seconds. A
+    ``clone`` would wait the store's own timeout, 30 minutes by default, for a server that may be gone; TCPStore's
+    own connect retries a refused connection, with backoff, for up to about 2.7 times its timeout. So a plain socket
+    first: a server that is gone fails at once, an unreachable host after ``call_timeout``, and the beat thread is
+    never stuck connecting when ``stop`` joins it (a handshake slowed by a saturated link is retried at once)."""
     from torch.distributed import TCPStore
 
     base = store
     while hasattr(base, "underlying_store"):
         base = base.underlying_store
+    patience = datetime.timedelta(seconds=call_timeout)
     if isinstance(base, TCPStore):
-        patience = datetime.timedelta(seconds=connect_timeout)
+        socket.create_connection((base.host, base.port), timeout=call_timeout).close()
         client = TCPStore(base.host, base.port, is_master=False, timeout=patience, wait_for_workers=False)
     else:
         client = store.clone()
-    client.set_timeout(datetime.timedelta(seconds=call_timeout))
+    client.set_timeout(patience)
     return client
 
 
@@ -453,8 +456,9 @@ class PeerWatchdog:
         atexit.unregister(self.stop)
         for thread in self._threads:
             if thread is not threading.current_thread():
-                # the beat thread may be inside one store call: it gives up after the call's timeout
-                thread.join(timeout=self.call_timeout + 1.0)
+                # the beat thread may be inside one store call or a connect to a live server (TCPStore's retries
+                # there can take about 2.7 call timeouts); a store that is gone fails at once (``connect``)
+                thread.join(timeout=3 * self.call_timeout + 1.0)
         self._mark_left()
         if self.rank == 0 and self.verdict is None:
             self._wait_for_peers_to_leave()
@@ -527,7 +531,7 @@ class PeerWatchdog:
 
     def _connection(self) -> Any:
         if self._client is None:
-            self._client = connect(self.store, self.book.timeout, self.call_timeout)
+            self._client = connect(self.store, self.call_timeout)
         return self._client
 
     def _beat_and_read(self) -> dict[int, Optional[str]]:
