@@ -8,7 +8,7 @@ peers. Each rank reads O(1) keys (a leader its node's, rank 0 its node's and the
 
 from __future__ import annotations
 
-import inspect
+import sys
 import threading
 import time
 
@@ -379,7 +379,7 @@ def test_a_trainer_step_counts_its_forward_backward_and_optimizer_step_as_progre
         slowest_round_trip = 0.0
 
         def note_progress(self) -> None:
-            self.notes.append(inspect.stack()[2].function)  # the strategy method that noted it
+            self.notes.append(sys._getframe(2).f_code.co_name)  # the strategy method that noted it
 
         def stop(self) -> None:
             pass
@@ -420,7 +420,6 @@ def test_stop_ends_the_beat_thread_while_the_store_is_gone(tmp_path):
     of it, connecting included, gives up within the join that ``stop`` waits, so no thread outlives the run."""
     import datetime
     import subprocess
-    import sys
 
     from torch.distributed import TCPStore
 
@@ -448,6 +447,8 @@ def test_stop_ends_the_beat_thread_while_the_store_is_gone(tmp_path):
         server.kill()
         server.wait()
     time.sleep(1.5)  # the beat's call fails at once; it reconnects to a port nobody listens on
+    started = time.monotonic()
     watchdog.stop()
+    assert time.monotonic() - started < 1.5  # TCPStore's own connect retries a refused port for over 2 call timeouts
     assert watchdog.failed_calls >= 1
     assert not [thread for thread in watchdog._threads if thread.is_alive()]

@@ -23,12 +23,13 @@ rank's abort does not wake the ranks of other nodes. Design, with the reasons:
   long NCCL kernel cannot do.
 - **Store calls never block the decision.** The beat thread talks to the store over a connection of its own, so
   the training thread's store calls keep their own timeout; a call that hangs on a dead link only delays that
-  thread, and every call of it, connecting included, ends within the join ``stop`` waits for. The judge thread
-  never touches the network: when no store call has succeeded for ``timeout`` seconds, the store itself is
-  unreachable. One lost request is not that: a beat starts every ``interval``, a call gives up after
-  ``interval * 2`` (at most 15 s, and at most half of what ``timeout`` leaves after an interval), and a call that
-  failed is retried at once on a fresh connection, so only two failed calls in a row end the run (a slowed link
-  that drops the one request of a beat, at ``timeout = 3 * interval``, would otherwise end it). The store is served
+  thread, and each of its requests, connecting included, ends within the join ``stop`` waits for. The judge
+  thread never touches the network: when no store call has succeeded for ``timeout`` seconds, the store itself is
+  unreachable. One lost request is not that: a beat starts every ``interval``, each request gives up after
+  ``interval * 2`` (at most 15 s, and at most half of what ``timeout`` leaves after an interval), and a beat whose
+  request timed out is retried at once on a fresh connection, so it takes about two timed-out requests in a row to
+  end the run (a slowed link that drops the one request of a beat, at ``timeout = 3 * interval``, would otherwise
+  end it). The store is served
   from rank 0's node, so that is how rank 0's node's loss, or a cut link seen from the other nodes, shows: the
   message names the store's address and rank 0's node.
 - **Lost after ``timeout`` seconds of silence, default 45 s.** On the two-node testbed with the link slowed 100-fold
@@ -456,9 +457,10 @@ class PeerWatchdog:
         atexit.unregister(self.stop)
         for thread in self._threads:
             if thread is not threading.current_thread():
-                # the beat thread may be inside one store call or a connect to a live server (TCPStore's retries
-                # there can take about 2.7 call timeouts); a store that is gone fails at once (``connect``)
-                thread.join(timeout=3 * self.call_timeout + 1.0)
+                # the beat thread may be inside one store request or a connect to a server that answered the
+                # probe (TCPStore's own retries there took up to 2.9 call timeouts); a store that is gone fails at
+                # once (``connect``)
+                thread.join(timeout=4 * self.call_timeout + 1.0)
         self._mark_left()
         if self.rank == 0 and self.verdict is None:
             self._wait_for_peers_to_leave()
