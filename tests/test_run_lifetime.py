@@ -55,13 +55,13 @@ def test_a_fabric_script_without_teardown_leaves_no_thread_and_a_slower_rank_exi
 
 
 def _per_rank_beat(run) -> dict:
-    beats = requests = 0
+    counted = dict.fromkeys(("beats", "failed_calls", "requests"), 0)
     for record in run.ranks.values():
         first, last = record["ledger"]
-        beats += last["beats"] - first["beats"]
-        requests += last["requests"] - first["requests"]
+        for key in counted:
+            counted[key] += last[key] - first[key]
     first, last = run.ranks[0]["ledger"]
-    return {"beats": beats, "requests": requests, "bytes": last["bytes"] - first["bytes"]}
+    return counted | {"bytes": last["bytes"] - first["bytes"]}
 
 
 def test_store_requests_per_beat_are_two_and_bytes_per_rank_do_not_grow_from_2_to_4_ranks(runs):
@@ -70,7 +70,9 @@ def test_store_requests_per_beat_are_two_and_bytes_per_rank_do_not_grow_from_2_t
         assert run.returncode == 0 and sorted(run.ranks) == list(range(ranks)), run.output[-4000:]
         ledger[ranks] = counted = _per_rank_beat(run)
         assert counted["beats"] >= 2 * ranks, counted  # the window saw beats on every rank
-        assert counted["requests"] == 2 * counted["beats"], counted  # one set, one multi_get per beat
+        # one set, one multi_get per beat; a beat that failed (a request past its timeout on a loaded machine) made
+        # at most those two
+        assert 2 * counted["beats"] <= counted["requests"] <= 2 * (counted["beats"] + counted["failed_calls"]), counted
     # per rank, whatever the ranks: the watchdog's two threads, and as many store connections (torch's, the watchdog's)
     assert {len(record["threads"]) for run in runs.values() for record in run.ranks.values()} == {2}
     connections = {record["store_connections"] for run in runs.values() for record in run.ranks.values()}

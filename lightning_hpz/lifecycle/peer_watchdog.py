@@ -420,6 +420,7 @@ class PeerWatchdog:
         self.store_requests = 0  # store calls made by the beat thread (the scale ledger counts them)
         self.beats = 0  # beats written and read back
         self.failed_calls = 0  # beats whose store call failed or timed out
+        self._requests_in_flight = 0  # this beat's requests, counted into store_requests when it ends
         self._keys_exist = False
         self._client: Optional[Any] = None
         self._lock = threading.Lock()  # the book is written by the beat thread and read by the judge
@@ -483,6 +484,8 @@ class PeerWatchdog:
                 if self.clock() >= next_full_read:
                     next_full_read = self.clock() + self.interval
                     values = self._read(client, peers)
+                    with self._lock:
+                        self._count_requests()
                     now = self.clock()
                     for peer, value in values.items():
                         if last_seen.get(peer, (None,))[0] != value:
@@ -521,13 +524,16 @@ class PeerWatchdog:
                 values = self._beat_and_read()
             except Exception as err:  # unreachable, timed out, reset: the judge decides when that is too long
                 log.debug("rank %d: heartbeat through the store at %s failed: %s", self.rank, self.address, err)
-                self.failed_calls += 1
                 self._client = None  # a timed-out connection may hold a late reply: open a fresh one next time
+                with self._lock:
+                    self._count_requests()
+                    self.failed_calls += 1
             else:
                 answered = self.clock()
                 with self._lock:
                     self.book.observe(values, answered, answered - started)
-                self.beats += 1
+                    self._count_requests()
+                    self.beats += 1
             # one beat per interval, counted from its start: a call that timed out is retried at once
             self._stopping.wait(max(0.0, self.interval - (self.clock() - started)))
 
@@ -542,8 +548,8 @@ class PeerWatchdog:
         client = self._connection()
         with self._lock:
             vouched = self.book.vouched_since(self.clock())
+        self._requests_in_flight += 1
         client.set(heartbeat_key(self.rank, self.run), Beat.format(self._identity, vouched, self.found))
-        self.store_requests += 1
         values = self._read(client, self.watched, self._keys_exist)
         self._keys_exist = all(value is not None for value in values.values())
         return values
@@ -555,12 +561,22 @@ class PeerWatchdog:
         if not keys:
             return {}
         if not all_exist:
-            self.store_requests += 1
+            self._requests_in_flight += 1
             if not client.check(keys):  # set-up: read those that exist, one by one, until every rank has beaten
-                self.store_requests += 2 * len(keys)
+                self._requests_in_flight += 2 * len(keys)
                 return {rank: _text(client.get(key)) if client.check([key]) else None for rank, key in zip(ranks, keys)}  # noqa: B905
-        self.store_requests += 1
+        self._requests_in_flight += 1
         return {rank: _text(value) for rank, value in zip(ranks, client.multi_get(keys), strict=True)}
+
+    def _count_requests(self) -> None:
+        # under the lock, with the beat's outcome: a ledger read between a beat's requests sees none of them
+        self.store_requests += self._requests_in_flight
+        self._requests_in_flight = 0
+
+    def ledger(self) -> dict[str, int]:
+        """Beats completed, beats failed and the store requests of both, read together (the scale ledger)."""
+        with self._lock:
+            return {"beats": self.beats, "failed_calls": self.failed_calls, "requests": self.store_requests}
 
     def _mark_left(self) -> None:
         if any(thread.is_alive() for thread in self._threads if thread is not threading.current_thread()):

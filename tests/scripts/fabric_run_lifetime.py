@@ -77,7 +77,7 @@ def store_connections(port: int) -> int:
 
 
 def sample(watchdog, port: int) -> dict:
-    return {"beats": watchdog.beats, "requests": watchdog.store_requests, "bytes": store_bytes(port)}
+    return watchdog.ledger() | {"bytes": store_bytes(port)}
 
 
 def at_exit_record(out: Path, finished: list) -> None:
