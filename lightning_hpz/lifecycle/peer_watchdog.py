@@ -29,9 +29,8 @@ rank's abort does not wake the ranks of other nodes. Design, with the reasons:
   ``interval * 2`` (at most 15 s, and at most half of what ``timeout`` leaves after an interval), and a beat whose
   request timed out is retried at once on a fresh connection, so it takes about two timed-out requests in a row to
   end the run (a slowed link that drops the one request of a beat, at ``timeout = 3 * interval``, would otherwise
-  end it). The store is served
-  from rank 0's node, so that is how rank 0's node's loss, or a cut link seen from the other nodes, shows: the
-  message names the store's address and rank 0's node.
+  end it). The store is served from rank 0's node, so that is how rank 0's node's loss, or a cut link seen from the
+  other nodes, shows: the message names the store's address and rank 0's node.
 - **Lost after ``timeout`` seconds of silence, default 45 s.** On the two-node testbed with the link slowed 100-fold
   and full of ZeRO-3 all-gathers, heartbeat round trips stay far below it (docs/operations.md, "Lost nodes and cut
   links"). Silence is counted only while the store answers: a store that stalls
