@@ -46,4 +46,4 @@ def refuse_run_that_trained_nothing(trainer: Trainer, start: Optional[StepAtTrai
         )
     if trainer.is_global_zero:
         print(message, file=sys.stderr)
-    raise SystemExit(exit_code_for_rank(trainer, NOTHING_TRAINED_EXIT_CODE))
+    raise SystemExit(exit_code_for_rank(trainer.strategy, NOTHING_TRAINED_EXIT_CODE))

@@ -52,7 +52,7 @@ class CoordinatedExit(SystemExit):
     status = "ended"
 
     def __init__(self, message: str, trainer: Any, code: int, checkpoint: Optional[str] = None) -> None:
-        super().__init__(exit_code_for_rank(trainer, code))
+        super().__init__(exit_code_for_rank(trainer.strategy, code))
         self.message = message
         self.checkpoint = checkpoint
         self.run_code = code
@@ -89,9 +89,9 @@ class TrainingStopped(CoordinatedExit):
         super().__init__(message, trainer, UNSTABLE_EXIT_CODE, checkpoint)
 
 
-def exit_code_for_rank(trainer: Any, code: int) -> int:
+def exit_code_for_rank(strategy: Any, code: int) -> int:
     """``code``, or 0 on a rank that Lightning's launcher started (its launching process reports for the node)."""
-    return 0 if started_by_lightning_launcher(trainer.strategy) else code
+    return 0 if started_by_lightning_launcher(strategy) else code
 
 
 def started_by_lightning_launcher(strategy: Any) -> bool:

@@ -18,7 +18,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_hpz import collectives, partitioning
 from lightning_hpz.lifecycle import peer_watchdog
-from lightning_hpz.lifecycle.run_exit import PEER_LOST_EXIT_CODE, started_by_lightning_launcher
+from lightning_hpz.lifecycle.run_exit import PEER_LOST_EXIT_CODE, exit_code_for_rank
 from lightning_hpz.strategy.testing import CudaEvaluationContext
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class DeepSpeedEnvironment:
         devices_per_node = max(1, self.num_processes)  # Lightning numbers ranks node by node
         # A child of Lightning's launcher that exited 76 would get its node SIGKILLed (exit 137) while the launching
         # process still relays the loss; it exits 0, and the launching process (its node's leader) exits 76.
-        own_child = started_by_lightning_launcher(self)
+        lost_code = exit_code_for_rank(self, PEER_LOST_EXIT_CODE)
         self.peer_watchdog = peer_watchdog.PeerWatchdog(
             store,
             rank=collectives.rank(),
@@ -107,7 +107,7 @@ class DeepSpeedEnvironment:
             interval=self.heartbeat_interval,
             checkpoint=lambda: self.committed_checkpoint,
             still_wanted=collectives.default_group_still_current(),  # Fabric and LitGPT never call teardown
-            on_lost=functools.partial(peer_watchdog.exit_lost, code=0 if own_child else PEER_LOST_EXIT_CODE),
+            on_lost=functools.partial(peer_watchdog.exit_lost, code=lost_code),
         ).start()
 
     def _note_progress(self) -> None:
